@@ -1,0 +1,75 @@
+"""ddpkit: one PyTorch training script, from one process to many GPUs on many machines.
+
+The public API. Heavy parts (trainer, data sets, models) load on first use, so `import ddpkit` stays light
+(no torchvision, no scikit-learn).
+"""
+
+from ddpkit.distributed import (
+    DistContext,
+    DistEnv,
+    all_gather_object,
+    all_reduce_mean,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    detect_env,
+    gather_object,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+    rank_zero_first,
+    seed_everything,
+    seed_model_init,
+    seed_rank,
+    shutdown,
+)
+from ddpkit.errors import UserError
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Config": "ddpkit.config",
+    "load_config": "ddpkit.config",
+    "Trainer": "ddpkit.trainer",
+    "DistributedLoader": "ddpkit.data",
+    "distributed_loader": "ddpkit.data",
+    "GlobalOrderSampler": "ddpkit.data",
+    "ExactEvalSampler": "ddpkit.data",
+    "evaluate": "ddpkit.trainer",
+    "save_checkpoint": "ddpkit.checkpoint",
+    "load_checkpoint": "ddpkit.checkpoint",
+    "scaled_lr": "ddpkit.optim",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+
+
+__all__ = [
+    "DistContext",
+    "DistEnv",
+    "UserError",
+    "all_gather_object",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "detect_env",
+    "gather_object",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "rank_zero_first",
+    "seed_everything",
+    "seed_model_init",
+    "seed_rank",
+    "shutdown",
+    *_LAZY,
+]

@@ -1,0 +1,247 @@
+"""Start workers: torch's elastic launcher (what torchrun runs), torch.multiprocessing.spawn, or nothing.
+
+Each worker runs `python -m ddpkit CMD ...` (elastic) or the same CLI function (spawn) with the launch flags
+removed; it then finds its rank in the environment like under any other launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ddpkit.errors import UserError, WorkerFailure
+
+# Flags that start workers; each takes a value. Workers get the command line without them.
+STARTER_FLAGS = frozenset(
+    {
+        "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts",
+        "--launcher", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-timeout",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the launch flags asked for."""
+
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    launcher: str = "torchrun"
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    rdzv_timeout: int = 900
+    init_method: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+
+    @property
+    def starts_workers(self) -> bool:
+        return self.init_method is None and (
+            self.nproc_per_node is not None or self.nnodes > 1 or self.launcher == "spawn" or self.rdzv_endpoint
+        )
+
+
+def add_launch_flags(parser) -> None:
+    """The launch flags of CONTRACT.md §2 on an argparse parser."""
+    g = parser.add_argument_group("launch flags")
+    g.add_argument("--nproc-per-node", type=int, metavar="N", help="start N local workers")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank")
+    g.add_argument("--master-addr", metavar="HOST", help="address of node 0")
+    g.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (a free one when omitted)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart all workers up to K times")
+    g.add_argument("--launcher", choices=["torchrun", "spawn"], default="torchrun")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint (any node may start first)")
+    g.add_argument("--rdzv-backend", choices=["c10d", "static"], help="rendezvous backend")
+    g.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes for the c10d rendezvous")
+    g.add_argument("--rdzv-timeout", type=int, default=900, metavar="S", help="seconds to wait for all nodes")
+    g.add_argument("--init-method", metavar="URL", help="manual rendezvous: tcp://HOST:PORT or file:///PATH")
+    g.add_argument("--rank", type=int, metavar="R", help="this process's rank (with --init-method)")
+    g.add_argument("--world-size", type=int, metavar="W", help="number of processes (with --init-method)")
+
+
+def spec_from_args(args) -> LaunchSpec:
+    """Validate the launch flags into a LaunchSpec."""
+    spec = LaunchSpec(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        launcher=args.launcher,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        rdzv_timeout=args.rdzv_timeout,
+        init_method=args.init_method,
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+    if spec.init_method is not None:
+        if spec.nproc_per_node is not None or spec.nnodes != 1 or spec.launcher == "spawn" or spec.max_restarts:
+            raise UserError("--init-method starts one process per call", "drop --nproc-per-node/--nnodes/--launcher/--max-restarts")
+    elif spec.rank is not None or spec.world_size is not None:
+        raise UserError("--rank and --world-size belong to a manual rendezvous", "add --init-method tcp://HOST:PORT")
+    if spec.nproc_per_node is not None and spec.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}", "use e.g. --nproc-per-node 2")
+    if spec.nnodes < 1:
+        raise UserError(f"--nnodes must be at least 1, got {spec.nnodes}", "use e.g. --nnodes 2")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise UserError(f"--node-rank {spec.node_rank} is outside --nnodes {spec.nnodes}", f"node ranks run from 0 to {spec.nnodes - 1}")
+    if spec.master_port is not None and not 1 <= spec.master_port <= 65535:
+        raise UserError(f"--master-port {spec.master_port} is out of range", "use a port between 1024 and 65535")
+    if spec.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {spec.max_restarts}", "use e.g. --max-restarts 3")
+    if spec.nnodes > 1 and not spec.master_addr and not spec.rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs the address of node 0", "add --master-addr HOST (or --rdzv-endpoint HOST:PORT)")
+    if spec.launcher == "spawn" and spec.max_restarts:
+        raise UserError("--launcher spawn cannot restart workers", "use the default --launcher torchrun with --max-restarts")
+    if spec.launcher == "spawn" and spec.rdzv_endpoint:
+        raise UserError("--launcher spawn does not take --rdzv-endpoint", "use --master-addr/--master-port")
+    if spec.rdzv_endpoint and ":" not in spec.rdzv_endpoint:
+        raise UserError(f"--rdzv-endpoint '{spec.rdzv_endpoint}' has no port", "write HOST:PORT")
+    return spec
+
+
+def worker_argv(argv: Sequence[str]) -> list[str]:
+    """The command line minus the flags that start workers (the workers must not start workers)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in STARTER_FLAGS:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _set_thread_env(nproc: int) -> None:
+    # As torchrun does: several CPU workers on one node must not each start a thread per core.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
+    ranks = ", ".join(f"rank {r} ({_signal_name(c)})" for r, c in sorted(failures.items()))
+    after = f" after {restarts} restart(s)" if restarts else ""
+    err = WorkerFailure(f"worker {ranks} failed{after}")
+    err.exit_code = 2 if failures and all(c == 2 for c in failures.values()) else 1
+    return err
+
+
+def launch_elastic(spec: LaunchSpec, argv: Sequence[str]) -> None:
+    """Run `python -m ddpkit ARGV` on nproc_per_node workers through torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = spec.nproc_per_node or 1
+    _set_thread_env(nproc)
+    if spec.rdzv_endpoint:  # c10d: any node may start first; the rendezvous assigns node ranks
+        backend, endpoint = spec.rdzv_backend or "c10d", spec.rdzv_endpoint
+        run_id = spec.rdzv_id or os.environ.get("SLURM_JOB_ID") or "ddpkit"
+        configs: dict = {"timeout": spec.rdzv_timeout}
+        if backend == "static":
+            configs["rank"] = spec.node_rank
+    elif spec.nnodes == 1 and spec.master_port is None:  # like torchrun --standalone: a free port
+        backend, endpoint, run_id = "c10d", f"localhost:{free_port()}", str(uuid.uuid4())
+        configs = {"timeout": spec.rdzv_timeout}
+    else:  # static rendezvous, as torchrun with --master-addr/--master-port/--node-rank
+        addr = spec.master_addr or "127.0.0.1"
+        port = spec.master_port or 29500
+        backend, endpoint, run_id = "static", f"{addr}:{port}", "ddpkit"
+        configs = {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=configs,
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(
+        logging.INFO if os.environ.get("DDPKIT_DEBUG") else logging.ERROR
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "ddpkit", *argv)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        raise _failure(codes, spec.max_restarts) from None
+    except Exception as e:  # rendezvous failures: a node that never came, a port in use, ...
+        name = type(e).__name__
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else name
+        if "Rendezvous" in name or "rendezvous" in msg.lower() or isinstance(e, (RuntimeError, OSError, ValueError)):
+            raise UserError(
+                f"the launch failed at the rendezvous {endpoint}: {name}: {msg}",
+                "check that every node was started with the same --nnodes and can reach the master address and port",
+            ) from None
+        raise
+
+
+def _spawn_entry(local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    rank = int(env["GROUP_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + local_rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
+    code = fn(argv)
+    if code:
+        sys.exit(code)
+
+
+def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]], int]) -> None:
+    """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn."""
+    import torch.multiprocessing as mp
+
+    nproc = spec.nproc_per_node or 1
+    _set_thread_env(nproc)
+    addr = spec.master_addr or "127.0.0.1"
+    port = spec.master_port or (free_port() if spec.nnodes == 1 else 29500)
+    env = {
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nproc * spec.nnodes),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(spec.node_rank),
+        "DDPKIT_LAUNCHER": "spawn",
+    }
+    try:
+        mp.spawn(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=True)
+    except mp.ProcessExitedException as e:
+        rank = spec.node_rank * nproc + e.error_index
+        raise _failure({rank: e.exit_code}, 0) from None
+    except mp.ProcessRaisedException as e:
+        rank = spec.node_rank * nproc + e.error_index
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else "an exception"
+        raise WorkerFailure(f"worker rank {rank} failed: {last}") from None

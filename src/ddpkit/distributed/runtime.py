@@ -1,0 +1,136 @@
+"""Backend and device choice, validation, init_process_group and teardown: one call for every launcher."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.env import DistEnv, detect_env
+from ddpkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The initialised runtime: who we are (env), what we talk over (backend), where we compute (device)."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+
+    rank = property(lambda self: self.env.rank)
+    local_rank = property(lambda self: self.env.local_rank)
+    world_size = property(lambda self: self.env.world_size)
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def __iter__(self):
+        """`rank, local_rank, world_size, device, backend = ddpkit.init_distributed()`."""
+        return iter((self.rank, self.local_rank, self.world_size, self.device, self.backend))
+
+
+def resolve_device_backend(env: DistEnv, backend: str = "auto", device: str = "auto") -> tuple[str, torch.device]:
+    """nccl + cuda:local_rank when every local rank has its own GPU; gloo + cpu without GPUs."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if (n_gpus > 0 and backend != "gloo") or backend == "nccl" else "cpu"
+    if device == "cuda":
+        if n_gpus == 0:
+            what = "dist.backend=nccl" if backend == "nccl" else "dist.device=cuda"
+            raise UserError(f"{what} needs CUDA but no GPU is visible", "use dist.backend=gloo dist.device=cpu on CPU")
+        if env.local_world_size > n_gpus:
+            raise UserError(
+                f"{env.local_world_size} processes on this node but only {n_gpus} GPU(s) visible",
+                f"start at most {n_gpus} per node (--nproc-per-node {n_gpus}) or run on CPU with dist.device=cpu",
+            )
+        dev = torch.device("cuda", env.local_rank)
+    else:
+        dev = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        raise UserError("dist.backend=nccl needs CUDA devices", "use dist.backend=gloo on CPU")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise UserError("dist.backend=mpi but this PyTorch was built without MPI", "use dist.backend=gloo or nccl")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise UserError("dist.backend=gloo but this PyTorch has no gloo", "use dist.backend=nccl")
+    return backend, dev
+
+
+_CONTEXT: DistContext | None = None
+
+
+def init_distributed(
+    backend: str = "auto", device: str = "auto", timeout_s: float = 600.0, env: DistEnv | None = None
+) -> DistContext:
+    """Join whatever launcher started this process (or none) and return the DistContext.
+
+    Safe to call again: a second call returns the first context.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    env = env or detect_env()
+    backend, dev = resolve_device_backend(env, backend, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if env.distributed and not dist.is_initialized():
+        kwargs = {}
+        if env.init_method.startswith("env://"):
+            # Make env:// see exactly what was detected, whatever the launcher called it.
+            os.environ.update(
+                MASTER_ADDR=env.master_addr,
+                MASTER_PORT=str(env.master_port),
+                RANK=str(env.rank),
+                WORLD_SIZE=str(env.world_size),
+                LOCAL_RANK=str(env.local_rank),
+                LOCAL_WORLD_SIZE=str(env.local_world_size),
+            )
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=env.init_method,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                **kwargs,
+            )
+        except (RuntimeError, ValueError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = f"{env.master_addr}:{env.master_port}" if env.init_method == "env://" else env.init_method
+            raise UserError(
+                f"rank {env.rank} could not join the process group at {where} ({first})",
+                "check that every rank uses the same master address and port and that it is reachable",
+            ) from None
+        atexit.register(shutdown)
+    _CONTEXT = DistContext(env=env, backend=backend, device=dev)
+    return _CONTEXT
+
+
+def shutdown() -> None:
+    """Destroy the process group if we made one; safe to call twice."""
+    global _CONTEXT
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # teardown after a failure must not mask the failure
+            pass
+    _CONTEXT = None
+
+
+def current() -> DistContext | None:
+    """The context of init_distributed, if it was called."""
+    return _CONTEXT
+
+
+def hostname() -> str:
+    return socket.gethostname()
