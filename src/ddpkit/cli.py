@@ -12,12 +12,14 @@ from collections.abc import Sequence
 
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 
-# command -> (module:function run on every rank, one-line help)
+# command -> (module:function, one-line help, takes a training config, runs on every rank of a process group).
+# A command's module may also define `add_flags(parser)` (extra flags) and `preflight(cfg)` (checks that run
+# before any worker starts or any file is written).
 COMMANDS = {
-    "train": ("ddpkit.trainer:train_command", "train a model (the default recipe: digits, built-in CNN)"),
-    "eval": ("ddpkit.trainer:eval_command", "score checkpoint.path on the validation set"),
-    "info": ("ddpkit.info:info_command", "one line per rank: rank, local_rank, world_size, host, backend, device"),
-    "comm": ("ddpkit.commcheck:comm_command", "check every collective and measure bandwidth"),
+    "train": ("ddpkit.trainer:train_command", "train a model (the default recipe: digits, built-in CNN)", True, True),
+    "eval": ("ddpkit.trainer:eval_command", "score checkpoint.path on the validation set", True, True),
+    "info": ("ddpkit.info:info_command", "one line per rank: rank, local_rank, world_size, host, backend, device", False, True),
+    "comm": ("ddpkit.commcheck:comm_command", "check every collective and measure bandwidth", False, True),
 }
 
 
@@ -28,17 +30,21 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
 
 
+def _module(cmd: str):
+    return importlib.import_module(COMMANDS[cmd][0].split(":")[0])
+
+
 def _command_parser(cmd: str) -> argparse.ArgumentParser:
     from ddpkit.distributed.launch import add_launch_flags
 
-    p = _Parser(prog=f"ddpkit {cmd}", description=COMMANDS[cmd][1])
-    if cmd in ("train", "eval"):
+    _, help_, takes_config, _ = COMMANDS[cmd]
+    p = _Parser(prog=f"ddpkit {cmd}", description=help_)
+    if takes_config:
         p.add_argument("-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it")
         p.add_argument("--help-config", action="store_true", help="list every config key with its default")
-    if cmd == "comm":
-        from ddpkit.commcheck import add_comm_flags
-
-        add_comm_flags(p)
+    add_flags = getattr(_module(cmd), "add_flags", None)
+    if add_flags is not None:
+        add_flags(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=5")
     add_launch_flags(p)
     return p
@@ -46,7 +52,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 def _top_usage() -> str:
     lines = ["usage: ddpkit {train,eval,info,comm} [-c FILE.yaml] [KEY=VALUE ...] [launch flags]", ""]
-    lines += [f"  {name:6s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:6s} {entry[1]}" for name, entry in COMMANDS.items()]
     lines += ["", "`ddpkit CMD --help` lists a command's flags; `ddpkit train --help-config` lists the config keys."]
     return "\n".join(lines)
 
@@ -69,7 +75,7 @@ def parse(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
 def _load(cmd: str, args: argparse.Namespace):
     from ddpkit.config import load_config
 
-    if cmd in ("train", "eval"):
+    if COMMANDS[cmd][2]:
         return load_config(args.config, args.overrides)
     bad = [o for o in args.overrides if not o.startswith("dist.")]
     if bad:
@@ -87,7 +93,7 @@ def preflight(cmd: str, cfg, env) -> None:
     from ddpkit.distributed.runtime import resolve_device_backend
 
     resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
-    check = getattr(importlib.import_module(COMMANDS[cmd][0].split(":")[0]), "preflight", None)
+    check = getattr(_module(cmd), "preflight", None)
     if check is not None:
         check(cfg)
 
@@ -104,6 +110,8 @@ def run(argv: Sequence[str]) -> int:
         print(describe_keys())
         return 0
     cfg = _load(cmd, args)
+    if not COMMANDS[cmd][3]:  # a local command: writes or submits something, starts no process group
+        return int(_function(cmd)(cfg, args) or 0)
     spec = spec_from_args(args)
     if spec.starts_workers:
         from ddpkit.distributed.env import DistEnv
