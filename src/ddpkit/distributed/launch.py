@@ -159,8 +159,8 @@ def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
     return err
 
 
-def launch_elastic(spec: LaunchSpec, argv: Sequence[str]) -> None:
-    """Run `python -m ddpkit ARGV` on nproc_per_node workers through torch's elastic agent."""
+def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Sequence[str] | None = None) -> None:
+    """Run `python -m ddpkit ARGV` (or `python ENTRYPOINT_ARGS`) on nproc_per_node workers via torch's elastic agent."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -196,7 +196,8 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str]) -> None:
         logging.INFO if os.environ.get("DDPKIT_DEBUG") else logging.ERROR
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "ddpkit", *argv)
+        args = list(entrypoint_args) if entrypoint_args is not None else ["-u", "-m", "ddpkit", *argv]
+        elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise _failure(codes, spec.max_restarts) from None
