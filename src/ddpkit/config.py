@@ -184,12 +184,15 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(file: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Schema defaults <- YAML file <- KEY=VALUE overrides; typed, then validated."""
+def load_config(file: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Schema defaults <- `base` (e.g. a checkpoint's config) <- YAML file <- KEY=VALUE overrides; typed, validated."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     layers = []
+    if base:
+        known = set(valid_keys())
+        layers.append({k: v for k, v in _flatten(base).items() if k in known})
     if file:
         raw = _flatten(_read_yaml(file))
         for key in raw:

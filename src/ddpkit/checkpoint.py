@@ -1,0 +1,141 @@
+"""Atomic checkpoints: write to a temporary name, fsync, rename; find the newest complete one on resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import UserError
+
+EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """torch.save to a temporary file in the same folder, fsync, rename into place: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def save_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file atomically (temporary name, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Make dst an atomic copy of src: a hard link renamed into place (a real copy where links fail)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+    os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """torch.load with weights_only=True (a file from elsewhere cannot run code); UserError when unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint '{path}' does not exist", "check checkpoint.path / checkpoint.resume")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, pickle with code, not a torch file at all, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise UserError(f"checkpoint '{path}' holds no 'model' entry", "point to a checkpoint written by ddpkit train")
+    return state
+
+
+class CheckpointDir:
+    """out_dir/checkpoints: last.pt, best.pt and the newest `keep` epoch_NNNN.pt files."""
+
+    def __init__(self, out_dir: str | os.PathLike, keep: int = 3):
+        self.dir = Path(out_dir) / "checkpoints"
+        self.keep = keep
+
+    @property
+    def last(self) -> Path:
+        return self.dir / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.dir / "best.pt"
+
+    def epoch_path(self, epoch: int) -> Path:
+        return self.dir / f"epoch_{epoch:04d}.pt"
+
+    def epoch_files(self) -> list[Path]:
+        """Epoch checkpoints, newest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := EPOCH_RE.match(p.name))]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def save_epoch(self, state: dict[str, Any], epoch: int, is_best: bool) -> None:
+        """epoch_NNNN.pt, then last.pt (and best.pt) pointing at the same bytes; prune old epoch files."""
+        path = save_checkpoint(state, self.epoch_path(epoch))
+        _place(path, self.last)
+        if is_best:
+            _place(path, self.best)
+        for old in self.epoch_files()[self.keep :]:
+            old.unlink(missing_ok=True)
+
+    def save_step(self, state: dict[str, Any]) -> None:
+        """A mid-epoch checkpoint: only last.pt moves."""
+        save_checkpoint(state, self.last)
+
+    def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
+        """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over."""
+        for path in [self.last, *self.epoch_files()]:
+            if not path.exists():
+                continue
+            try:
+                return path, load_checkpoint(path)
+            except UserError as e:
+                warn(f"ddpkit: warning: {e.what}; falling back to an older checkpoint")
+        return None

@@ -1,0 +1,145 @@
+"""Rank 0's output: log.txt, metrics.jsonl, TensorBoard scalars, a progress bar or tutorial-style lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+METRIC_KEYS = (
+    "epoch",
+    "world_size",
+    "global_batch_size",
+    "lr",
+    "train_loss",
+    "train_acc1",
+    "val_loss",
+    "val_acc1",
+    "val_acc5",
+    "val_samples",
+    "epoch_time_s",
+    "train_images_per_s",
+)
+
+
+class RunningSums:
+    """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once."""
+
+    def __init__(self, device: torch.device):
+        self.t = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
+        n = target.shape[0]
+        self.t[0] += loss.detach().double() * n
+        self.t[1] += (logits.detach().argmax(dim=1) == target).sum()
+        self.t[2] += n
+
+    def local(self) -> tuple[float, float, int]:
+        """(mean loss, accuracy, count) of this rank so far; one host sync."""
+        loss, correct, n = self.t.tolist()
+        return (loss / n, correct / n, int(n)) if n else (math.nan, math.nan, 0)
+
+
+def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every epoch line of out_dir/metrics.jsonl (skipping a torn last line)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class RunLog:
+    """Everything rank 0 prints or writes while training; on other ranks every method does nothing."""
+
+    def __init__(self, out_dir: str | os.PathLike, active: bool, stream: TextIO | None = None):
+        self.active = active
+        self.out_dir = Path(out_dir)
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self._log: TextIO | None = None
+        self._tb = None
+        self._bar = None
+        if active:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.out_dir / "log.txt", "a", encoding="utf-8")
+
+    def info(self, msg: str) -> None:
+        """A line on the console and in log.txt."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(msg, file=self.stream)
+        else:
+            print(msg, file=self.stream, flush=True)
+        assert self._log is not None
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        self._log.flush()
+
+    def epoch_start(self, epoch: int, epochs: int, steps: int, initial: int = 0) -> None:
+        if self.active and self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, initial=initial, desc=f"epoch {epoch}/{epochs}", file=self.stream, dynamic_ncols=True, leave=False)
+
+    def step(self, step_in_epoch: int, steps: int, epoch: int, epochs: int, sums: RunningSums | None, every: int) -> None:
+        """Advance the bar; without a terminal, every `every` steps a line shaped like the tutorials'."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            if sums is not None and step_in_epoch % every == 0:
+                loss, acc, _ = sums.local()
+                self._bar.set_postfix(loss=f"{loss:.3f}", acc=f"{100 * acc:.2f}%")
+        elif sums is not None and (step_in_epoch % every == 0 or step_in_epoch == steps):
+            loss, acc, _ = sums.local()
+            w = len(str(steps))
+            self.info(f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f} | acc: {100 * acc:.3f}%")
+
+    def epoch_end(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        """Append one epoch's line to metrics.jsonl (fsynced) and its scalars to TensorBoard."""
+        if not self.active:
+            return
+        with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        tb = self._tensorboard()
+        if tb is not None:
+            for key, value in row.items():
+                if key != "epoch" and isinstance(value, (int, float)) and value is not None:
+                    tb.add_scalar(key, value, row["epoch"])
+            tb.flush()
+
+    def _tensorboard(self):
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional at run time
+                self._tb = False
+                return None
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        return self._tb or None
+
+    def close(self) -> None:
+        self.epoch_end()
+        if self._tb:
+            self._tb.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
