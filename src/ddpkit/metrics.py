@@ -126,6 +126,23 @@ class RunLog:
                     tb.add_scalar(key, value, row["epoch"])
             tb.flush()
 
+    def reconcile_metrics(self, epoch: int, row: dict[str, Any] | None) -> None:
+        """Make metrics.jsonl hold exactly epochs 1..epoch of the checkpoint we resume from.
+
+        A crash between the checkpoint and its metrics line leaves the line missing (the checkpoint carries
+        it); a fallback to an older checkpoint leaves lines of epochs that will be trained again (dropped).
+        """
+        if not self.active:
+            return
+        rows = read_metrics(self.out_dir)
+        keep = [r for r in rows if int(r.get("epoch", 0)) <= epoch]
+        if row is not None and int(row.get("epoch", 0)) == epoch and all(int(r["epoch"]) != epoch for r in keep):
+            keep.append(row)
+        if keep != rows:
+            from ddpkit.checkpoint import save_text
+
+            save_text(self.out_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep))
+
     def _tensorboard(self):
         if self._tb is None:
             try:

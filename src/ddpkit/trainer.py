@@ -51,11 +51,17 @@ def preflight(cfg: Config) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's RNG streams, as types torch.load(weights_only=True) accepts."""
     import random
 
     import numpy as np
 
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state()
     return st
@@ -68,7 +74,8 @@ def _set_rng_state(st: dict[str, Any]) -> None:
 
     torch.set_rng_state(st["torch"])
     random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
 
@@ -178,9 +185,10 @@ class Trainer:
             "config": config_mod.to_dict(self.cfg),
         }
 
-    def save(self, epoch_end: bool, is_best: bool = False) -> None:
+    def save(self, epoch_end: bool, is_best: bool = False, row: dict[str, Any] | None = None) -> None:
         state = self.state()
         if state is not None:
+            state["metrics_row"] = row
             if epoch_end:
                 self.ckpt.save_epoch(state, self.epoch, is_best)
             else:
@@ -214,6 +222,8 @@ class Trainer:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.consumed = int(state.get("consumed", 0))
         self.best_acc = float(state.get("best_acc1", -1.0))
+        if self.ctx.is_main:
+            self.log.reconcile_metrics(self.epoch, state.get("metrics_row"))
         rng = state.get("rng")
         if self.consumed and rng and len(rng) == self.ctx.world_size:
             _set_rng_state(rng[self.ctx.rank])
@@ -262,13 +272,13 @@ class Trainer:
                     "epoch_time_s": round(elapsed, 4),
                     "train_images_per_s": round(seen / elapsed, 2) if elapsed > 0 else None,
                 }
+                self.save(epoch_end=True, is_best=is_best, row=last)  # checkpoint first: it carries the row
                 self.log.metrics(last)
                 self.log.info(
                     f"epoch {epoch}/{cfg.train.epochs} | train loss {train_loss:.4f} acc {100 * train_acc:.2f}% | "
                     + (f"val loss {val['val_loss']:.4f} acc1 {100 * val['val_acc1']:.2f}% | " if do_eval else "")
                     + f"{last['train_images_per_s']} img/s | {elapsed:.1f}s"
                 )
-                self.save(epoch_end=True, is_best=is_best)
                 if stop.signum:
                     raise Preempted(f"stopped by {signal.Signals(stop.signum).name} after epoch {epoch}; rerun the same command to continue")
         if not last:

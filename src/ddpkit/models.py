@@ -1,0 +1,475 @@
+"""Models by name: the built-in `cnn` and `mlp`, torchvision classifiers, `timm:NAME`; pretrained weights; device prep.
+
+torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.config import Config
+from ddpkit.errors import UserError
+
+log = logging.getLogger("ddpkit.models")
+
+BUILTIN = ("cnn", "mlp")
+TIMM_PREFIX = "timm:"
+STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel wrappers, torch.compile
+
+
+# ----------------------------------------------------------------------------------------------- built-ins
+
+
+def _conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+    )
+
+
+class SmallCNN(nn.Module):
+    """Three conv-BN-ReLU blocks, global average pool, linear head; for 8x8 digits up to 224px images.
+
+    The strides (and an optional parameter-free max pool) follow `image_size`, so the state_dict keys are the
+    same for every input size: small inputs (<= 32px) keep full resolution in the first block.
+    """
+
+    def __init__(self, num_classes: int, in_channels: int = 3, image_size: int = 32, widths=(32, 64, 128)):
+        super().__init__()
+        w1, w2, w3 = widths
+        first_stride = 1 if image_size <= 32 else 2
+        self.block1 = _conv_bn_relu(in_channels, w1, first_stride)
+        self.pool1 = nn.MaxPool2d(3, stride=2, padding=1) if image_size > 64 else nn.Identity()
+        self.block2 = _conv_bn_relu(w1, w2, 2)
+        self.block3 = _conv_bn_relu(w2, w3, 2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(w3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (N, num_classes)."""
+        x = self.block3(self.block2(self.pool1(self.block1(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def build_mlp(num_classes: int, in_channels: int, image_size: int, hidden=(256, 128)) -> nn.Sequential:
+    """Flatten -> Linear -> ReLU -> Linear -> ReLU -> Linear; no normalisation, no dropout (exactly reproducible)."""
+    h1, h2 = hidden
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_channels * image_size * image_size, h1),
+        nn.ReLU(),
+        nn.Linear(h1, h2),
+        nn.ReLU(),
+        nn.Linear(h2, num_classes),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- names
+
+
+def torchvision_names() -> list[str]:
+    """torchvision's classification model names."""
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _unknown_arch(arch: str) -> UserError:
+    names = list(BUILTIN) + torchvision_names()
+    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
+    hint = (
+        f"did you mean '{close[0]}'?"
+        if close
+        else "use cnn, mlp, a torchvision classification model such as resnet18"
+    )
+    return UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
+
+
+def _import_timm() -> Any:
+    try:
+        import timm
+    except ImportError:
+        raise UserError(
+            "model.arch timm:... needs the timm package, which is not installed",
+            "pip install timm (or pip install 'ddpkit[timm]')",
+        ) from None
+    return timm
+
+
+def _check_timm_name(timm: Any, name: str) -> None:
+    if not name:
+        raise UserError("model.arch 'timm:' names no model", "write e.g. model.arch=timm:resnet18")
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, list(timm.list_models()), n=1, cutoff=0.5)
+    hint = f"did you mean 'timm:{close[0]}'?" if close else "see timm.list_models() for the names"
+    raise UserError(f"unknown timm model '{name}' in model.arch", hint)
+
+
+def _arch_kind(arch: str) -> str:
+    """'builtin', 'timm' or 'torchvision'; raises UserError for an unknown name."""
+    if arch in BUILTIN:
+        return "builtin"
+    if arch.startswith(TIMM_PREFIX):
+        timm = _import_timm()
+        _check_timm_name(timm, arch[len(TIMM_PREFIX) :])
+        return "timm"
+    if arch in torchvision_names():
+        return "torchvision"
+    raise _unknown_arch(arch)
+
+
+def check_arch(cfg: Config) -> None:
+    """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
+    kind = _arch_kind(cfg.model.arch)
+    pretrained = cfg.model.pretrained
+    if pretrained is None or pretrained == "":
+        return
+    if pretrained == "torchvision":
+        if kind != "torchvision":
+            raise UserError(
+                f"model.pretrained=torchvision needs a torchvision model, but model.arch is '{cfg.model.arch}'",
+                "pass a weights file path as model.pretrained, or pick a torchvision arch such as resnet18",
+            )
+        return
+    _check_weights_path(pretrained)
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def _repeat_gray_to_rgb(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook: a 1-channel image batch becomes 3 identical channels (torchvision stems expect RGB)."""
+    x = args[0]
+    if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == 1:
+        return (x.repeat(1, 3, 1, 1), *args[1:])
+    return None
+
+
+def _build_torchvision(arch: str, num_classes: int, in_channels: int) -> nn.Module:
+    import torchvision
+
+    if in_channels not in (1, 3):
+        raise UserError(
+            f"torchvision model '{arch}' takes 3-channel (or 1-channel, repeated) images, the data has {in_channels}",
+            "use model.arch=cnn or mlp, or timm:NAME (which adapts the first layer)",
+        )
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if in_channels == 1:
+        # Parameter-free: the state_dict keys stay torchvision's, so its pretrained weights still load.
+        model.register_forward_pre_hook(_repeat_gray_to_rgb)
+    return model
+
+
+def _build_timm(name: str, num_classes: int, in_channels: int) -> nn.Module:
+    timm = _import_timm()
+    _check_timm_name(timm, name)
+    return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
+
+
+def build_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set."""
+    arch = cfg.model.arch
+    kind = _arch_kind(arch)
+    if arch == "cnn":
+        model: nn.Module = SmallCNN(num_classes, in_channels, image_size)
+    elif arch == "mlp":
+        model = build_mlp(num_classes, in_channels, image_size)
+    elif kind == "timm":
+        model = _build_timm(arch[len(TIMM_PREFIX) :], num_classes, in_channels)
+    else:
+        model = _build_torchvision(arch, num_classes, in_channels)
+
+    pretrained = cfg.model.pretrained
+    if pretrained:
+        if pretrained == "torchvision":
+            if kind != "torchvision":
+                check_arch(cfg)  # raises the explanatory UserError
+            state, source = _torchvision_weights(arch), f"torchvision's default {arch} weights"
+        else:
+            state, source = read_weights(pretrained), pretrained
+        message = load_matching(model, state, source)
+        log.info(message)
+        model.ddpkit_pretrained_message = message  # for the trainer to print on rank 0
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def _check_weights_path(path: str) -> str:
+    full = os.path.expanduser(path)
+    if not os.path.exists(full):
+        raise UserError(
+            f"model.pretrained file '{path}' does not exist",
+            "check the path, or leave model.pretrained unset",
+        )
+    if not os.path.isfile(full):
+        raise UserError(
+            f"model.pretrained '{path}' is not a file", "give the path of a weights file (.pt/.pth)"
+        )
+    if not os.access(full, os.R_OK):
+        raise UserError(f"model.pretrained file '{path}' is not readable", "check the file's permissions")
+    return full
+
+
+def _torchvision_weights(arch: str) -> dict[str, torch.Tensor]:
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    try:
+        return weights.get_state_dict(progress=False, check_hash=False)
+    except OSError as e:  # URLError, socket errors, a read-only cache directory
+        hub = os.path.join(torch.hub.get_dir(), "checkpoints")
+        raise UserError(
+            f"cannot download torchvision's {arch} weights ({getattr(e, 'reason', e)})",
+            f"download {weights.url} on a machine with internet access and pass the file as "
+            f"model.pretrained=PATH, or put it in {hub}",
+        ) from None
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """A state_dict from a weights file or a ddpkit checkpoint, read on the CPU with weights_only=True."""
+    full = _check_weights_path(path)
+    try:
+        obj = torch.load(full, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot read model.pretrained file '{path}': {e.strerror or e}", "check the file's permissions"
+        ) from None
+    except Exception as e:
+        # Corrupt, truncated, not a torch file, or Python objects that weights_only=True refuses to rebuild.
+        text = str(e)
+        found = re.search(r"GLOBAL (\S+)", text) or re.search(
+            r"[Uu]nsupported global: (?:GLOBAL )?(\S+)", text
+        )
+        if found:
+            reason = (
+                f"it holds Python objects ({found.group(1)}) that weights_only=True loading refuses to run"
+            )
+        else:
+            reason = f"not a PyTorch weights file (corrupt, truncated or another format: {type(e).__name__})"
+        raise UserError(
+            f"cannot read model.pretrained file '{path}': {reason}",
+            "give a file saved with torch.save(model.state_dict(), PATH) or a ddpkit checkpoint",
+        ) from None
+    state = _state_dict_of(obj)
+    if state is None:
+        raise UserError(
+            f"model.pretrained file '{path}' holds no model weights",
+            "give a file saved with torch.save(model.state_dict(), PATH) or a ddpkit checkpoint",
+        )
+    return state
+
+
+def _state_dict_of(obj: Any) -> dict[str, torch.Tensor] | None:
+    if not isinstance(obj, Mapping):
+        return None
+    for key in ("model", "state_dict", "model_state_dict"):  # ddpkit checkpoint first, then common layouts
+        inner = obj.get(key)
+        if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
+            obj = inner
+            break
+    state = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    return state or None
+
+
+def strip_prefixes(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop leading `module.` (DDP/DataParallel) and `_orig_mod.` (torch.compile) from every key."""
+    out = {}
+    for key, value in state.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in STRIP_PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix) :], True
+        out[key] = value
+    return out
+
+
+def _head_keys(model: nn.Module) -> set[str]:
+    """The state_dict keys of the last module that owns parameters (the classifier)."""
+    last = None
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            last = name
+    if last is None:
+        return set()
+    prefix = f"{last}." if last else ""
+    module = model.get_submodule(last)
+    return {prefix + k for k in module.state_dict().keys()}
+
+
+def load_matching(model: nn.Module, state: Mapping[str, torch.Tensor], source: str = "weights") -> str:
+    """Copy the tensors of `state` whose names and shapes match into `model`; returns what was done.
+
+    A classifier whose shape differs (num_classes changed) is skipped and named in the message; a UserError
+    when nothing matches.
+    """
+    state = strip_prefixes(state)
+    own = model.state_dict()
+    matched = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    mismatched = [k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in state]
+    if not matched:
+        sample = ", ".join(list(state)[:3])
+        raise UserError(
+            f"no tensor in {source} matches the model (file keys: {sample}, ...; model keys: {', '.join(list(own)[:3])}, ...)",
+            "check that model.arch is the architecture the weights were saved from",
+        )
+    with torch.no_grad():
+        for k, v in matched.items():
+            own[k].copy_(v)  # state_dict() tensors share storage with the parameters and buffers
+    parts = [f"loaded {len(matched)}/{len(own)} tensors from {source}"]
+    head = _head_keys(model)
+    head_skipped = [k for k in mismatched if k in head]
+    other_skipped = [k for k in mismatched if k not in head]
+    if head_skipped:
+        k = head_skipped[0]
+        parts.append(
+            f"skipped the classifier {', '.join(head_skipped)} (shape {tuple(state[k].shape)} in the file, "
+            f"{tuple(own[k].shape)} in the model: num_classes differs), it keeps its fresh initialisation"
+        )
+    if other_skipped:
+        parts.append(
+            f"skipped {len(other_skipped)} tensors whose shapes differ: {', '.join(other_skipped[:5])}"
+        )
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    if missing:
+        parts.append(f"{len(missing)} model tensors not in the file: {', '.join(missing[:5])}")
+    message = "; ".join(parts)
+    if other_skipped or missing:
+        log.warning(message)
+    return message
+
+
+# ----------------------------------------------------------------------------------------------- device prep
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """all_reduce(SUM) with autograd: the gradient of a sum over ranks is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllReduceSum.apply(grad, ctx.group), None
+
+
+class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Synchronised BatchNorm for CPU processes (gloo), where torch's SyncBatchNorm is GPU-only.
+
+    In training mode inside an initialised process group of more than one rank, the batch mean and variance are
+    all-reduced (with autograd) over the group; otherwise it is plain BatchNorm. It does not subclass
+    nn.SyncBatchNorm, which DDP refuses on CPU; its state_dict keys are BatchNorm's.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _world(self) -> int:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """BatchNorm over the union of every rank's batch in training, local BatchNorm otherwise."""
+        if not self.training or self._world() <= 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        dims = [0] + list(range(2, input.dim()))
+        x = input.double()
+        count = torch.tensor([input.numel() // input.shape[1]], dtype=torch.float64, device=input.device)
+        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        stats = _AllReduceSum.apply(stats, self.process_group)
+        c = self.num_features
+        total = stats[-1]
+        mean = stats[:c] / total
+        var = (stats[c : 2 * c] / total - mean * mean).clamp_min(0)
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                unbiased = var * (total / (total - 1).clamp_min(1))
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        shape = [1, c] + [1] * (input.dim() - 2)
+        inv = torch.rsqrt(var + self.eps)
+        out = (x - mean.view(shape)) * inv.view(shape)
+        out = out.to(input.dtype)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def convert_gloo_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """Like nn.SyncBatchNorm.convert_sync_batchnorm, but to GlooSyncBatchNorm (for CPU processes)."""
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, (nn.SyncBatchNorm, GlooSyncBatchNorm)
+    ):
+        out = GlooSyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+        )
+        if module.affine:
+            with torch.no_grad():
+                out.weight = module.weight
+                out.bias = module.bias
+        out.running_mean = module.running_mean
+        out.running_var = module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.training = module.training
+    for name, child in module.named_children():
+        out.add_module(name, convert_gloo_sync_batchnorm(child, process_group))
+    return out
+
+
+def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
+    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
+    device = torch.device(device)
+    if cfg.model.sync_bn and distributed:
+        if device.type == "cpu":
+            model = convert_gloo_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model

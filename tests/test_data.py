@@ -1,0 +1,493 @@
+"""Data sets on real on-disk formats, availability checks, the global-order sampler, exact eval sharding, loaders."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from conftest import cli_env, run_group
+from ddpkit.config import Config
+from ddpkit.data import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    DataSpec,
+    DistributedLoader,
+    ExactEvalSampler,
+    GlobalOrderSampler,
+    build_datasets,
+    build_loaders,
+    check_available,
+    distributed_loader,
+    eval_loader,
+)
+from ddpkit.errors import UserError
+
+
+def make_cfg(dataset: str = "digits", root=None, **data) -> Config:
+    cfg = Config()
+    cfg.data.dataset = dataset
+    if root is not None:
+        cfg.data.root = str(root)
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+# ---------------------------------------------------------------- writers of the real on-disk formats
+
+
+def _cifar_rows(n: int, offset: int) -> np.ndarray:
+    """n images, image i constant per channel: R = 10*(i+offset) % 256, G = R + 1, B = R + 2."""
+    rows = np.empty((n, 3072), dtype=np.uint8)
+    for i in range(n):
+        r = (10 * (i + offset)) % 250
+        rows[i, :1024], rows[i, 1024:2048], rows[i, 2048:] = r, r + 1, r + 2
+    return rows
+
+
+def write_cifar10(root, per_batch: int = 4, test: int = 6) -> None:
+    d = root / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    for b in range(1, 6):
+        off = (b - 1) * per_batch
+        entry = {"data": _cifar_rows(per_batch, off), "labels": [(off + i) % 10 for i in range(per_batch)]}
+        (d / f"data_batch_{b}").write_bytes(pickle.dumps(entry))
+    (d / "test_batch").write_bytes(pickle.dumps({"data": _cifar_rows(test, 0), "labels": list(range(test))}))
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    (d / "batches.meta").write_bytes(pickle.dumps({"label_names": names, "num_cases_per_batch": per_batch}))
+
+
+def write_cifar100(root, train: int = 12, test: int = 5) -> None:
+    d = root / "cifar-100-python"
+    d.mkdir(parents=True)
+    for name, n in (("train", train), ("test", test)):
+        labels = [(7 * i) % 100 for i in range(n)]
+        entry = {"data": _cifar_rows(n, 0), "fine_labels": labels, "coarse_labels": [y // 5 for y in labels]}
+        (d / name).write_bytes(pickle.dumps(entry))
+    meta = {
+        "fine_label_names": [f"c{i}" for i in range(100)],
+        "coarse_label_names": [f"s{i}" for i in range(20)],
+    }
+    (d / "meta").write_bytes(pickle.dumps(meta))
+
+
+def write_mnist(root, train: int = 10, test: int = 4) -> None:
+    d = root / "MNIST" / "raw"
+    d.mkdir(parents=True)
+    for prefix, n in (("train", train), ("t10k", test)):
+        images = np.zeros((n, 28, 28), dtype=np.uint8)
+        for i in range(n):
+            images[i] = 20 * i
+        labels = np.arange(n, dtype=np.uint8) % 10
+        (d / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes()
+        )
+        (d / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.tobytes())
+
+
+def write_imagefolder(root, classes=("ant", "bee", "cat"), per_class: int = 3, val_classes=None) -> None:
+    from PIL import Image
+
+    for split, names in (("train", classes), ("val", val_classes or classes)):
+        for c, name in enumerate(names):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (20, 24), (40 * c, 10 * i, 200)).save(d / f"{i}.png")
+
+
+# ---------------------------------------------------------------- data sets through build_datasets
+
+
+def test_cifar10_real_pickled_batches(tmp_path):
+    write_cifar10(tmp_path, per_batch=4, test=6)
+    train, val, spec = build_datasets(make_cfg("cifar10", tmp_path, augment=False))
+    assert spec == DataSpec(num_classes=10, in_channels=3, image_size=32, train_size=20, val_size=6)
+    x, y = val[3]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and y == 3
+    for c in range(3):
+        expected = ((30 + c) / 255 - CIFAR_MEAN[c]) / CIFAR_STD[c]
+        assert torch.allclose(x[c], torch.full((32, 32), expected), atol=1e-5)
+    assert [train[i][1] for i in range(20)] == [i % 10 for i in range(20)]
+    # augmentation: random crop with zero padding changes border pixels for some seeds; same seed, same output
+    aug, _, _ = build_datasets(make_cfg("cifar10", tmp_path, augment=True))
+    torch.manual_seed(1)
+    a = torch.stack([aug[5][0] for _ in range(8)])
+    torch.manual_seed(1)
+    b = torch.stack([aug[5][0] for _ in range(8)])
+    assert torch.equal(a, b) and not all(torch.equal(a[0], a[i]) for i in range(8))
+    pickle.loads(pickle.dumps(train))  # workers started with spawn need to pickle the data set
+
+
+def test_cifar100_fine_labels_and_100_classes(tmp_path):
+    write_cifar100(tmp_path, train=12, test=5)
+    train, val, spec = build_datasets(make_cfg("cifar100", tmp_path, augment=False))
+    assert spec.num_classes == 100 and (spec.train_size, spec.val_size) == (12, 5)
+    assert [train[i][1] for i in range(12)] == [(7 * i) % 100 for i in range(12)]
+    assert val[0][0].shape == (3, 32, 32)
+    cfg = make_cfg("cifar100", tmp_path)
+    cfg.model.num_classes = 10
+    with pytest.raises(UserError, match=r"model\.num_classes=10 .* 100 classes"):
+        build_datasets(cfg)
+
+
+def test_mnist_idx_files(tmp_path):
+    write_mnist(tmp_path, train=10, test=4)
+    train, val, spec = build_datasets(make_cfg("mnist", tmp_path, augment=False))
+    assert spec == DataSpec(num_classes=10, in_channels=1, image_size=28, train_size=10, val_size=4)
+    x, y = val[2]
+    assert x.shape == (1, 28, 28) and y == 2
+    assert torch.allclose(x, torch.full((1, 28, 28), (40 / 255 - 0.1307) / 0.3081), atol=1e-5)
+    _, _, spec16 = build_datasets(make_cfg("mnist", tmp_path, image_size=16))
+    assert spec16.image_size == 16
+
+
+def test_imagefolder_png_tree(tmp_path):
+    write_imagefolder(
+        tmp_path, per_class=3, val_classes=("ant", "cat")
+    )  # val lacks a class: labels must not shift
+    train, val, spec = build_datasets(make_cfg("imagefolder", tmp_path, image_size=16))
+    assert spec == DataSpec(num_classes=3, in_channels=3, image_size=16, train_size=9, val_size=6)
+    assert sorted({train[i][1] for i in range(9)}) == [0, 1, 2]
+    assert [val[i][1] for i in range(6)] == [0, 0, 0, 2, 2, 2]
+    x, _ = val[0]
+    assert x.shape == (3, 16, 16)
+    blue = (200 / 255 - 0.406) / 0.225  # every image's blue channel is 200
+    assert torch.allclose(x[2], torch.full((16, 16), blue), atol=1e-3)
+    pickle.loads(pickle.dumps(val))
+    cfg = make_cfg("imagefolder", tmp_path, image_size=16)
+    cfg.model.num_classes = 2
+    with pytest.raises(UserError, match=r"model\.num_classes"):
+        build_datasets(cfg)
+
+
+# ---------------------------------------------------------------- check_available
+
+
+def _err(cfg) -> str:
+    with pytest.raises(UserError) as e:
+        check_available(cfg)
+    return str(e.value)
+
+
+def test_check_available_errors(tmp_path):
+    msg = _err(make_cfg("cifar10", tmp_path / "nope"))
+    assert "data.root" in msg and "does not exist" in msg and "data.download=true" in msg
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in _err(make_cfg("mnist", tmp_path / "afile"))
+    write_cifar10(tmp_path / "c")
+    os.remove(tmp_path / "c" / "cifar-10-batches-py" / "data_batch_3")
+    msg = _err(make_cfg("cifar10", tmp_path / "c"))
+    assert "data_batch_3" in msg and "data.root" in msg and "data.download=true" in msg
+    check_available(make_cfg("cifar10", tmp_path / "c", download=True))  # download would fetch them
+    msg = _err(make_cfg("cifar100", tmp_path / "c"))
+    assert "cifar-100-python/train" in msg
+    (tmp_path / "m" / "MNIST" / "raw").mkdir(parents=True)
+    assert "t10k-labels-idx1-ubyte" in _err(make_cfg("mnist", tmp_path / "m"))
+    for name in ("digits", "synthetic"):
+        check_available(make_cfg(name, tmp_path / "nope"))
+
+
+def test_check_available_imagefolder(tmp_path):
+    assert "does not exist" in _err(make_cfg("imagefolder", tmp_path / "nope"))
+    write_imagefolder(tmp_path / "a")
+    check_available(make_cfg("imagefolder", tmp_path / "a"))
+    import shutil
+
+    shutil.rmtree(tmp_path / "a" / "val")
+    msg = _err(make_cfg("imagefolder", tmp_path / "a"))
+    assert "data.root" in msg and "val/" in msg
+    (tmp_path / "b" / "train").mkdir(parents=True)
+    (tmp_path / "b" / "val").mkdir()
+    assert "no class folders" in _err(make_cfg("imagefolder", tmp_path / "b"))
+    for split in ("train", "val"):
+        (tmp_path / "b" / split / "dog").mkdir()
+        (tmp_path / "b" / split / "dog" / "notes.txt").write_text("not an image")
+    msg = _err(make_cfg("imagefolder", tmp_path / "b"))
+    assert "without images" in msg and "dog" in msg
+    write_imagefolder(tmp_path / "c", classes=("ant",), val_classes=("ant", "zebra"))
+    assert "zebra" in _err(make_cfg("imagefolder", tmp_path / "c"))
+
+
+def test_build_datasets_checks_first(tmp_path):
+    with pytest.raises(UserError, match="data.root"):
+        build_datasets(make_cfg("cifar10", tmp_path / "missing"))
+
+
+def test_damaged_files_are_one_line_user_errors(tmp_path):
+    write_cifar10(tmp_path / "c")
+    (tmp_path / "c" / "cifar-10-batches-py" / "data_batch_2").write_bytes(b"not a pickle\n\x00")
+    write_mnist(tmp_path / "m")
+    (tmp_path / "m" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").write_bytes(
+        struct.pack(">I", 2051) + b"\x01"
+    )
+    for name, root in (("cifar10", tmp_path / "c"), ("mnist", tmp_path / "m")):
+        with pytest.raises(UserError) as e:
+            build_datasets(make_cfg(name, root))
+        assert "cannot read" in str(e.value) and "data.root" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- digits and synthetic
+
+
+def test_digits_fixed_split_and_sizes():
+    a_train, a_val, spec = build_datasets(make_cfg("digits", augment=False))
+    assert spec == DataSpec(num_classes=10, in_channels=1, image_size=8, train_size=1438, val_size=359)
+    cfg = make_cfg("digits", augment=False)
+    cfg.seed = 1234
+    b_train, b_val, _ = build_datasets(cfg)
+    assert torch.equal(a_val.images, b_val.images) and torch.equal(a_train.labels, b_train.labels)
+    xs = torch.stack([a_train[i][0] for i in range(len(a_train))])
+    assert xs.shape == (1438, 1, 8, 8)
+    assert abs(xs.mean().item()) < 1e-4 and abs(xs.std().item() - 1) < 1e-3  # normalised with train stats
+    x16, _ = build_datasets(make_cfg("digits", image_size=16))[1][0]
+    assert x16.shape == (1, 16, 16)
+
+
+def test_digits_augmentation_streams():
+    train, val, _ = build_datasets(make_cfg("digits", augment=True))
+
+    def stream(seed):
+        torch.manual_seed(seed)
+        return torch.stack([train[i][0] for i in range(64)])
+
+    assert torch.equal(stream(10), stream(10))
+    assert not torch.equal(stream(10), stream(11))  # seed + rank: every rank its own augmentation
+    torch.manual_seed(0)
+    first = val[0][0]
+    torch.manual_seed(1)
+    assert torch.equal(first, val[0][0])  # no augmentation on the val set
+
+
+def test_synthetic_deterministic_and_learnable_shape():
+    cfg = make_cfg("synthetic", synthetic_size=300, synthetic_val_size=50, augment=False)
+    cfg.seed = 7
+    t1, v1, spec = build_datasets(cfg)
+    t2, _, _ = build_datasets(cfg)
+    assert spec == DataSpec(num_classes=10, in_channels=3, image_size=32, train_size=300, val_size=50)
+    for i in (0, 17, 299):
+        assert torch.equal(t1[i][0], t2[i][0]) and t1[i][1] == t2[i][1]
+    cfg.seed = 8
+    t3, _, _ = build_datasets(cfg)
+    assert not torch.equal(t1[0][0], t3[0][0])
+    # class-dependent: a nearest-class-mean classifier built on train beats chance by far on val
+    xs = torch.stack([t1[i][0] for i in range(300)]).flatten(1)
+    ys = torch.tensor([t1[i][1] for i in range(300)])
+    means = torch.stack([xs[ys == k].mean(0) for k in range(10)])
+    vx = torch.stack([v1[i][0] for i in range(50)]).flatten(1)
+    vy = torch.tensor([v1[i][1] for i in range(50)])
+    assert (torch.cdist(vx, means).argmin(1) == vy).float().mean() > 0.8
+    cfg.model.num_classes = 4
+    cfg.data.image_size = 12
+    _, _, spec4 = build_datasets(cfg)
+    assert (spec4.num_classes, spec4.image_size) == (4, 12)
+
+
+def test_import_stays_light():
+    code = "import ddpkit.data, sys; assert 'torchvision' not in sys.modules and 'sklearn' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=cli_env(), timeout=120)
+
+
+# ---------------------------------------------------------------- GlobalOrderSampler
+
+
+def _ranks(n, batch, world, seed=0, epoch=0, accum=1, start=0, shuffle=True):
+    out = []
+    for r in range(world):
+        s = GlobalOrderSampler(n, batch, r, world, seed, shuffle=shuffle, grad_accum_steps=accum)
+        s.set_epoch(epoch)
+        s.set_start(start)
+        idx = list(s)
+        assert len(idx) == len(s)
+        out.append([idx[i : i + batch] for i in range(0, len(idx), batch)])
+    return out
+
+
+def _global_steps(per_rank):
+    """Per global micro-step, the concatenation of every rank's batch (rank order)."""
+    return [sum((per_rank[r][i] for r in range(len(per_rank))), []) for i in range(len(per_rank[0]))]
+
+
+def test_same_global_order_on_any_world_size():
+    one = _global_steps(_ranks(200, 16, 1))
+    assert _global_steps(_ranks(200, 8, 2)) == one
+    assert _global_steps(_ranks(200, 4, 4)) == one
+    # 2 processes x B/2 with 2 accumulation micro-steps cover the 1-process optimizer step
+    accum = _global_steps(_ranks(200, 4, 2, accum=2))
+    assert [accum[i] + accum[i + 1] for i in range(0, len(accum), 2)] == one
+    s = GlobalOrderSampler(200, 16, 0, 1, 0)
+    assert sum(one, []) == s.global_order()[: len(one) * 16].tolist()
+    assert _ranks(40, 4, 2, shuffle=False)[1][0] == [4, 5, 6, 7]
+
+
+def test_equal_steps_on_every_rank_and_accum_rounding():
+    per_rank = _ranks(1001, 10, 3)
+    assert [len(p) for p in per_rank] == [33, 33, 33]  # 1001 // 30 global micro-batches, 11 samples dropped
+    seen = sum(_global_steps(per_rank), [])
+    assert len(seen) == len(set(seen)) == 990
+    per_rank = _ranks(1001, 10, 3, accum=4)
+    assert [len(p) for p in per_rank] == [32, 32, 32]  # rounded down to a multiple of grad_accum_steps
+    assert GlobalOrderSampler(1001, 10, 0, 3, 0, grad_accum_steps=4).steps_per_epoch == 32
+
+
+def test_epochs_differ_and_repeat():
+    e0, e1 = _ranks(100, 10, 1, epoch=0), _ranks(100, 10, 1, epoch=1)
+    assert e0 != e1 and sorted(sum(e0[0], [])) == sorted(sum(e1[0], [])) == list(range(100))
+    assert _ranks(100, 10, 1, epoch=1, seed=3) == _ranks(100, 10, 1, epoch=1, seed=3)
+    assert _ranks(100, 10, 1, seed=3) != _ranks(100, 10, 1, seed=4)
+
+
+def test_set_start_resumes_on_other_world_sizes():
+    n, epoch = 1000, 2
+    full = GlobalOrderSampler(n, 8, 0, 1, 5)
+    full.set_epoch(epoch)
+    order = full.global_order().tolist()
+    k = 7  # micro-batches done at world size 2, batch 8 -> consumed 7 * 16 samples
+    before = sum(_global_steps(_ranks(n, 8, 2, seed=5, epoch=epoch))[:k], [])
+    consumed = k * 16
+    assert before == order[:consumed]
+    for world, batch in ((1, 16), (4, 4), (3, 8)):
+        after = sum(_global_steps(_ranks(n, batch, world, seed=5, epoch=epoch, start=consumed)), [])
+        assert after == order[consumed : consumed + len(after)]  # the same remaining global order
+        assert not set(after) & set(before)  # nothing seen twice
+        assert len(after) == (n - consumed) // (batch * world) * batch * world
+    s = GlobalOrderSampler(n, 8, 0, 2, 5)
+    s.set_start(consumed)
+    assert len(s) == (n - consumed) // 16 * 8
+    s.set_epoch(3)  # a new epoch starts from its beginning
+    assert len(s) == s.steps_per_epoch * 8
+    with pytest.raises(UserError):
+        s.set_start(n + 1)
+
+
+def test_too_small_dataset_is_a_user_error():
+    with pytest.raises(UserError, match=r"10 samples.*train\.batch_size 32 x world size 2 = 64"):
+        GlobalOrderSampler(10, 32, 0, 2, 0)
+    with pytest.raises(UserError, match=r"grad_accum_steps"):
+        GlobalOrderSampler(100, 16, 0, 2, 0, grad_accum_steps=4)
+    GlobalOrderSampler(64, 32, 1, 2, 0)  # exactly one step is fine
+
+
+# ---------------------------------------------------------------- ExactEvalSampler and eval_loader
+
+
+@pytest.mark.parametrize("n", [359, 7, 2])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exact_eval_every_index_once(n, world):
+    shards = [list(ExactEvalSampler(n, r, world)) for r in range(world)]
+    assert sum(shards, []) == list(range(n))
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1 and sizes == [
+        len(ExactEvalSampler(n, r, world)) for r in range(world)
+    ]
+
+
+class _Indexed(Dataset):
+    """Item i is (tensor([i]), i % 3)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)]), i % 3
+
+
+class _Noisy(Dataset):
+    """Item i is drawn from torch, numpy and python random: shows how workers are seeded."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        return torch.tensor([torch.rand(()).item(), float(np.random.rand()), random.random()])
+
+
+def test_eval_loader_covers_all_once():
+    ds = _Indexed(359)
+    seen = []
+    for r in range(3):
+        for x, _ in eval_loader(ds, 50, rank=r, world_size=3):
+            seen += x[:, 0].long().tolist()
+    assert seen == list(range(359))
+    assert len(eval_loader(ds, 50)) == 8  # rank/world default to the (single) process
+
+
+# ---------------------------------------------------------------- DistributedLoader
+
+
+def _pass(loader) -> list[int]:
+    return [int(v) for x, _ in loader for v in x[:, 0]]
+
+
+def test_loader_sets_epoch_itself():
+    ds = _Indexed(100)
+    loader = distributed_loader(ds, 10, seed=1)
+    assert isinstance(loader, DistributedLoader) and len(loader) == 10 == loader.steps_per_epoch
+    p0, p1 = _pass(loader), _pass(loader)
+    assert p0 != p1 and sorted(p0) == sorted(p1) == list(range(100))
+    assert loader.epoch == 2
+    loader.set_epoch(1)
+    assert _pass(loader) == p1
+    loader.set_epoch(0)
+    assert _pass(loader) == p0
+    # mid-epoch resume through the loader: len() and the pass reflect the skip; the next epoch is whole
+    loader.set_epoch(1)
+    loader.set_start(40)
+    assert len(loader) == 6 and _pass(loader) == p1[40:]
+    assert loader.epoch == 2 and len(loader) == 10
+    # a partial pass does not advance the epoch
+    for _ in loader:
+        break
+    assert loader.epoch == 2
+
+
+def test_loader_worker_seeds_per_rank_and_epoch():
+    def first_batch(rank, epoch):
+        loader = distributed_loader(_Noisy(), 4, seed=3, num_workers=1, rank=rank, world_size=2)
+        loader.set_epoch(epoch)
+        return next(iter(loader))
+
+    a = first_batch(0, 0)
+    assert torch.equal(a, first_batch(0, 0))
+    assert not torch.equal(a, first_batch(1, 0))
+    assert not torch.equal(a, first_batch(0, 1))
+    assert len({float(v) for v in a[:, 1]}) == 4 and len({float(v) for v in a[:, 2]}) == 4
+
+
+def test_build_loaders_from_config():
+    cfg = make_cfg("digits")
+    cfg.train.batch_size, cfg.train.grad_accum_steps, cfg.eval.batch_size = 16, 2, 100
+    train_ds, val_ds, _ = build_datasets(cfg)
+    train, val = build_loaders(cfg, 1, 2, train_ds, val_ds)
+    assert train.sampler.world_size == 2 and train.sampler.rank == 1
+    assert len(train) == 1438 // 32 // 2 * 2 == 44
+    x, y = next(iter(train))
+    assert x.shape == (16, 1, 8, 8) and y.shape == (16,)
+    assert sum(len(b[1]) for b in val) == 359 - 180 and val.batch_size == 100
+
+
+# ---------------------------------------------------------------- a real process group
+
+
+def _download_group(rank: int, world_size: int, root: str):
+    cfg = make_cfg("cifar10", root, download=True, augment=False)
+    train, val, spec = build_datasets(cfg)  # files present: rank 0 "downloads" (a no-op) first, then the rest
+    return spec.train_size, spec.val_size
+
+
+@pytest.mark.slow
+def test_download_path_in_a_process_group(tmp_path):
+    write_cifar10(tmp_path, per_batch=2, test=3)
+    assert run_group(_download_group, 2, str(tmp_path)) == [(10, 3), (10, 3)]
