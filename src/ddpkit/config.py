@@ -82,7 +82,8 @@ class CheckpointConfig:
     resume: str = "auto"
     keep: int = 3
     path: Optional[str] = None
-    every_steps: int = 0  # 0: only at epoch ends
+    every_steps: int = 0  # also checkpoint every N optimizer steps (0: only at epoch ends)
+    every_minutes: float = 0.0  # also checkpoint every N minutes of training (0: off)
 
 
 @dataclass
@@ -296,6 +297,7 @@ def validate(cfg: Config) -> None:
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
+    _positive("checkpoint.every_minutes", cfg.checkpoint.every_minutes, allow_zero=True)
     _positive("eval.every", cfg.eval.every)
     _positive("eval.batch_size", cfg.eval.batch_size, allow_none=True)
     if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":

@@ -28,6 +28,7 @@ from ddpkit.distributed.comm import (
     seed_everything,
     seed_model_init,
 )
+from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.strategy import build_strategy
 from ddpkit.errors import Preempted, UserError
@@ -120,6 +121,8 @@ class Trainer:
         self.best_acc = -1.0
         self._sums: RunningSums | None = None  # this epoch's running train sums
         self._resume_sums: list[float] | None = None  # all ranks' sums at a mid-epoch checkpoint
+        self._last_save = time.monotonic()
+        self.heartbeat = Heartbeat.current(ctx)
         self._build()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -186,6 +189,7 @@ class Trainer:
         }
 
     def save(self, epoch_end: bool, is_best: bool = False, row: dict[str, Any] | None = None) -> None:
+        self._last_save = time.monotonic()
         state = self.state()
         if state is not None:
             state["metrics_row"] = row
@@ -235,6 +239,13 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train for train.epochs (or train.max_steps), evaluating and checkpointing; returns the last metrics."""
+        with explain_comm_failures(self.ctx, self.heartbeat, lambda: self.step):
+            try:
+                return self._fit()
+            finally:
+                self.log.close()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
         self._write_config()
         self.resume()
@@ -287,7 +298,6 @@ class Trainer:
             self.log.info(f"nothing to train: the run in {cfg.out_dir} already finished {self.epoch} epoch(s)")
         if last.get("val_acc1") is not None:
             self.log.info(f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples")
-        self.log.close()
         return last
 
     def train_epoch(self, epoch: int, stop: _StopFlag) -> tuple[float, float, int]:
@@ -335,9 +345,12 @@ class Trainer:
             self.log.step(step_in_epoch, self.steps_per_epoch, epoch, cfg.train.epochs, sums, cfg.train.log_every)
             if step_in_epoch % cfg.train.log_every == 0:
                 self._check_finite(bad)
-            if self._stop_requested(stop) or self.step >= self.total_steps:
+            self.heartbeat.step = self.step
+            stop_now, save_now = self._agree(stop)
+            if stop_now or self.step >= self.total_steps:
                 break
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and step_in_epoch < self.steps_per_epoch:
+            every = cfg.checkpoint.every_steps
+            if (save_now or (every and self.step % every == 0)) and step_in_epoch < self.steps_per_epoch:
                 self._check_finite(bad)
                 self.save(epoch_end=False)
         self.log.epoch_end()
@@ -374,19 +387,23 @@ class Trainer:
                 "lower optim.lr, enable train.clip_grad_norm, check the data, or set train.nonfinite=skip",
             )
 
-    def _stop_requested(self, stop: _StopFlag) -> bool:
-        """A signal on any rank stops all ranks at the same step (checked every STOP_CHECK_EVERY steps)."""
+    def _agree(self, stop: _StopFlag) -> tuple[bool, bool]:
+        """(stop now, checkpoint now), the same on every rank.
+
+        A signal on any rank stops all ranks at the same step; rank 0's clock decides time-based checkpoints.
+        The ranks compare notes every STOP_CHECK_EVERY steps (one 2-element all-reduce).
+        """
+        every_s = self.cfg.checkpoint.every_minutes * 60
+        due = bool(every_s) and self.ctx.is_main and time.monotonic() - self._last_save >= every_s
         if self.ctx.world_size == 1:
-            return bool(stop.signum)
+            return bool(stop.signum), due
         if self.step % STOP_CHECK_EVERY:
-            return False
-        if not hasattr(self, "_stop_buf"):
-            self._stop_buf = torch.zeros(1, dtype=torch.float64)
-        self._stop_buf.fill_(float(stop.signum))
-        agreed = int(all_reduce_sum(self._stop_buf).item())
-        if agreed and not stop.signum:
+            return False, False
+        buf = torch.tensor([float(bool(stop.signum)), float(due)], dtype=torch.float64)
+        stop_any, save = all_reduce_sum(buf).tolist()
+        if stop_any and not stop.signum:
             stop.signum = signal.SIGTERM
-        return bool(agreed)
+        return bool(stop_any), bool(save)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -455,7 +472,13 @@ def _dummy_input(loader, device: torch.device) -> torch.Tensor:
 
 def train_command(cfg: Config, args, ctx: DistContext) -> int:
     """`ddpkit train`."""
-    Trainer(cfg, ctx).fit()
+    heartbeat = Heartbeat.current(ctx)
+    try:
+        with explain_comm_failures(ctx, heartbeat, lambda: 0):  # set-up collectives (DDP's broadcast, ...)
+            trainer = Trainer(cfg, ctx)
+        trainer.fit()
+    finally:
+        heartbeat.close()
     return 0
 
 

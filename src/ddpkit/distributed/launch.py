@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -15,7 +16,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ddpkit.errors import UserError, WorkerFailure
+from ddpkit.errors import Preempted, UserError, WorkerFailure
+
+PREEMPTED_EXIT = Preempted.exit_code
 
 # Flags that start workers; each takes a value. Workers get the command line without them.
 STARTER_FLAGS = frozenset(
@@ -159,8 +162,29 @@ def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
     return err
 
 
+def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exception:
+    """A failed rendezvous -> a UserError saying what went wrong; any other exception unchanged."""
+    name = type(e).__name__
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else name
+    if "timeout" in name.lower() or "timed out" in msg.lower():  # c10d: RendezvousTimeoutError; static: DistStoreError
+        joined = re.search(r"(\d+)/(\d+) clients joined", msg)
+        who = f"only {joined[1]} of {joined[2]} nodes" if joined else f"not all {spec.nnodes} nodes"
+        return UserError(
+            f"{who} joined the rendezvous at {endpoint} within --rdzv-timeout {spec.rdzv_timeout} s",
+            "start every node with the same --nnodes and rendezvous address, check that each can reach it, "
+            "or raise --rdzv-timeout",
+        )
+    if "Rendezvous" in name or "rendezvous" in msg.lower() or isinstance(e, (RuntimeError, OSError, ValueError)):
+        return UserError(
+            f"the launch failed at the rendezvous {endpoint}: {name}: {msg}",
+            "check that every node was started with the same --nnodes and can reach the master address and port",
+        )
+    return e
+
+
 def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Sequence[str] | None = None) -> None:
     """Run `python -m ddpkit ARGV` (or `python ENTRYPOINT_ARGS`) on nproc_per_node workers via torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -169,7 +193,8 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Seque
     if spec.rdzv_endpoint:  # c10d: any node may start first; the rendezvous assigns node ranks
         backend, endpoint = spec.rdzv_backend or "c10d", spec.rdzv_endpoint
         run_id = spec.rdzv_id or os.environ.get("SLURM_JOB_ID") or "ddpkit"
-        configs: dict = {"timeout": spec.rdzv_timeout}
+        # c10d reads its wait for the other nodes from `join_timeout` (it ignores `timeout`)
+        configs: dict = {"timeout": spec.rdzv_timeout, "join_timeout": spec.rdzv_timeout}
         if backend == "static":
             configs["rank"] = spec.node_rank
     elif spec.nnodes == 1 and spec.master_port is None:  # like torchrun --standalone: a free port
@@ -200,16 +225,16 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Seque
         elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if codes and all(c == PREEMPTED_EXIT for c in codes.values()):
+            raise Preempted("workers stopped at a step boundary after a checkpoint; rerun the same command to continue") from None
         raise _failure(codes, spec.max_restarts) from None
+    except SignalException as e:  # the launcher itself got SIGTERM/SIGINT: workers were asked to stop and checkpoint
+        raise Preempted(f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)") from None
     except Exception as e:  # rendezvous failures: a node that never came, a port in use, ...
-        name = type(e).__name__
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else name
-        if "Rendezvous" in name or "rendezvous" in msg.lower() or isinstance(e, (RuntimeError, OSError, ValueError)):
-            raise UserError(
-                f"the launch failed at the rendezvous {endpoint}: {name}: {msg}",
-                "check that every node was started with the same --nnodes and can reach the master address and port",
-            ) from None
-        raise
+        err = _rendezvous_error(e, spec, endpoint)
+        if err is e:
+            raise
+        raise err from None
 
 
 def _spawn_entry(local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]) -> None:

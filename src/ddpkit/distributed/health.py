@@ -1,0 +1,120 @@
+"""Heartbeats in the rendezvous store, so a collective that times out can say which rank fell behind.
+
+Each rank's background thread writes `step time` under `ddpkit/hb/RANK` every few seconds. A thread, not the
+training loop: a rank that is SIGSTOPped or dead stops beating, while a rank merely waiting in a collective
+keeps beating, which is exactly the difference the message has to explain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
+
+KEY = "ddpkit/hb/{rank}"
+# Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
+COMM_FAILURE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "store")
+_CURRENT: Heartbeat | None = None
+
+
+def _default_store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # no process group, or a backend without a store
+        return None
+
+
+class Heartbeat:
+    """Publish this rank's progress; diagnose the others' after a failed collective."""
+
+    def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        self.step = 0
+        self._stop = threading.Event()
+        self._store = _default_store() if dist.is_available() and dist.is_initialized() and world_size > 1 else None
+        self._thread: threading.Thread | None = None
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._run, name="ddpkit-heartbeat", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def current(cls, ctx) -> Heartbeat:
+        """The process's one heartbeat (started on first use)."""
+        global _CURRENT
+        if _CURRENT is None or _CURRENT._stop.is_set():
+            _CURRENT = cls(ctx.rank, ctx.world_size)
+        return _CURRENT
+
+    def _beat(self) -> None:
+        self._store.set(KEY.format(rank=self.rank), f"{self.step} {time.time():.3f}")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat()
+            except Exception:  # the store's host is gone: nothing left to report to
+                return
+            self._stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def read(self) -> dict[int, tuple[int, float]]:
+        """{rank: (step, seconds since its last beat)} for every rank that has beaten."""
+        out: dict[int, tuple[int, float]] = {}
+        if self._store is None:
+            return out
+        self._store.set_timeout(datetime.timedelta(seconds=5))
+        now = time.time()
+        for r in range(self.world_size):
+            key = KEY.format(rank=r)
+            try:
+                if not self._store.check([key]):
+                    continue
+                step, stamp = self._store.get(key).decode().split()
+                out[r] = (int(step), now - float(stamp))
+            except Exception:
+                continue
+        return out
+
+    def diagnose(self) -> str:
+        """Which ranks fell behind and where, in words (empty when nothing can be said)."""
+        beats = self.read()
+        if self._store is None:
+            return ""
+        if not beats:
+            return "no rank's heartbeat could be read (the rendezvous store's host may be the rank that stopped)"
+        silent = [r for r in range(self.world_size) if r not in beats]
+        stale = sorted(r for r, (_, age) in beats.items() if age > 3 * self.interval_s + 1)
+        parts = [f"rank {r} (last heartbeat at step {beats[r][0]}, {beats[r][1]:.0f} s ago)" for r in stale]
+        parts += [f"rank {r} (never sent a heartbeat)" for r in silent]
+        if not parts:  # everyone alive: name the ones furthest behind
+            low = min(step for step, _ in beats.values())
+            if any(step != low for step, _ in beats.values()):
+                behind = [r for r, (step, _) in beats.items() if step == low]
+                parts = [f"rank {r} (at step {low})" for r in behind]
+        return ("stopped responding: " + ", ".join(parts)) if parts else ""
+
+
+@contextlib.contextmanager
+def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) -> Iterator[None]:
+    """Turn a failed collective into a WorkerFailure naming the rank(s) that fell behind and the step."""
+    from ddpkit.errors import WorkerFailure
+
+    try:
+        yield
+    except (RuntimeError, OSError) as e:
+        text = str(e).strip()
+        if ctx.world_size == 1 or not any(w in text.lower() for w in COMM_FAILURE_WORDS):
+            raise
+        first = (text.splitlines() or [type(e).__name__])[0][:160]
+        why = heartbeat.diagnose()
+        raise WorkerFailure(
+            f"rank {ctx.rank} gave up on a collective at step {step()} ({first})" + (f"; {why}" if why else "")
+        ) from None
