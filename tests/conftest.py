@@ -20,7 +20,16 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+        )
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -78,7 +87,8 @@ def run_group(fn, world_size: int, *args, timeout: float = 120):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rdzv")
         procs = [
-            ctx.Process(target=_group_entry, args=(r, world_size, init_file, fn, args, results)) for r in range(world_size)
+            ctx.Process(target=_group_entry, args=(r, world_size, init_file, fn, args, results))
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()

@@ -27,20 +27,31 @@ def test_every_contract_key_exists():
 def test_defaults_are_the_digits_recipe():
     cfg = load_config()
     assert isinstance(cfg, Config)
-    assert (cfg.data.dataset, cfg.model.arch, cfg.checkpoint.resume, cfg.dist.strategy) == ("digits", "cnn", "auto", "auto")
+    assert (cfg.data.dataset, cfg.model.arch, cfg.checkpoint.resume, cfg.dist.strategy) == (
+        "digits",
+        "cnn",
+        "auto",
+        "auto",
+    )
 
 
 def test_yaml_then_overrides_later_wins(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  epochs: 7\n  batch_size: 16\noptim:\n  lr: 0.5\n")
-    cfg = load_config(str(f), ["train.epochs=3", "optim.ref_batch_size=null", "model.sync_bn=true", "optim.lr=1e-3"])
+    cfg = load_config(
+        str(f), ["train.epochs=3", "optim.ref_batch_size=null", "model.sync_bn=true", "optim.lr=1e-3"]
+    )
     assert cfg.train.epochs == 3 and cfg.train.batch_size == 16
-    assert cfg.optim.ref_batch_size is None and cfg.model.sync_bn is True and cfg.optim.lr == pytest.approx(1e-3)
+    assert (
+        cfg.optim.ref_batch_size is None and cfg.model.sync_bn is True and cfg.optim.lr == pytest.approx(1e-3)
+    )
     assert load_config(None, ["train.epochs=2", "train.epochs=4"]).train.epochs == 4
 
 
 def test_base_layer_below_file_and_overrides():
-    cfg = load_config(None, ["train.epochs=2"], base={"model": {"arch": "mlp"}, "train": {"epochs": 9}, "gone": 1})
+    cfg = load_config(
+        None, ["train.epochs=2"], base={"model": {"arch": "mlp"}, "train": {"epochs": 9}, "gone": 1}
+    )
     assert cfg.model.arch == "mlp" and cfg.train.epochs == 2
 
 

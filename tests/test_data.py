@@ -447,10 +447,17 @@ def test_loader_sets_epoch_itself():
     loader.set_start(40)
     assert len(loader) == 6 and _pass(loader) == p1[40:]
     assert loader.epoch == 2 and len(loader) == 10
-    # a partial pass does not advance the epoch
+    # a pass broken early still moves on: the next pass is a new epoch, not a replay of the same order
     for _ in loader:
         break
-    assert loader.epoch == 2
+    assert loader.epoch == 3
+    p3 = _pass(loader)
+    assert p3 != _pass(loader) and loader.epoch == 5
+    # unless the user chose the epoch during the pass (the trainer's way)
+    for _ in loader:
+        loader.set_epoch(1)
+        break
+    assert loader.epoch == 1 and _pass(loader) == p1
 
 
 def test_loader_worker_seeds_per_rank_and_epoch():

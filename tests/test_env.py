@@ -81,7 +81,13 @@ def test_slurm_port_depends_on_job_and_master_port_wins():
 
 
 def test_slurm_step_task_count_wins_over_job_task_count():
-    env = detect_env({**slurm_vars(1, 8, 1, 0, per_node="8"), "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"})
+    env = detect_env(
+        {
+            **slurm_vars(1, 8, 1, 0, per_node="8"),
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+        }
+    )
     assert env.world_size == 2 and env.local_world_size == 2
 
 
@@ -120,14 +126,24 @@ def test_malformed_nodelist():
 
 def test_open_mpi_single_node():
     env = detect_env(
-        {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+        {
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
     )
     assert (env.rank, env.local_rank, env.world_size, env.launcher) == (1, 1, 2, "openmpi")
     assert env.master_addr == "127.0.0.1"
 
 
 def test_open_mpi_multi_node_needs_master_addr():
-    base = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    base = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
     with pytest.raises(UserError, match="MASTER_ADDR"):
         detect_env(base)
     env = detect_env({**base, "MASTER_ADDR": "host0"})
@@ -150,7 +166,17 @@ def test_pmi():
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a"}, "MASTER_PORT missing"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "70000"}, "out of range"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, "at least 1"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "local rank"),
+        (
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "3",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "a",
+                "MASTER_PORT": "1",
+            },
+            "local rank",
+        ),
         ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n1"}, "outside world size"),
         ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE missing"),
         ({"PMI_SIZE": "2"}, "PMI_RANK missing"),
@@ -163,7 +189,13 @@ def test_bad_variable_sets(variables, fragment):
 
 def test_manual_tcp_and_file(tmp_path):
     env = manual_env("tcp://127.0.0.1:22225", 2, 3)
-    assert (env.rank, env.world_size, env.master_addr, env.master_port, env.launcher) == (2, 3, "127.0.0.1", 22225, "manual")
+    assert (env.rank, env.world_size, env.master_addr, env.master_port, env.launcher) == (
+        2,
+        3,
+        "127.0.0.1",
+        22225,
+        "manual",
+    )
     f = manual_env(f"file://{tmp_path}/shared", 0, 2)
     assert f.init_method == f"file://{tmp_path}/shared"
 

@@ -64,7 +64,18 @@ def test_torchrun_dash_m_ddpkit():
 def start_manual(url: str, world: int) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", "info", "--init-method", url, "--rank", str(r), "--world-size", str(world)],
+            [
+                sys.executable,
+                "-m",
+                "ddpkit",
+                "info",
+                "--init-method",
+                url,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(world),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -143,7 +154,19 @@ def test_failed_worker_is_named(tmp_path):
         (["--launcher", "spawn", "--max-restarts", "1"], "cannot restart"),
         (["--rank", "0"], "manual rendezvous"),
         (["--init-method", "tcp://127.0.0.1:1234"], "needs --rank"),
-        (["--init-method", "tcp://127.0.0.1:1234", "--rank", "0", "--world-size", "2", "--nproc-per-node", "2"], "one process per call"),
+        (
+            [
+                "--init-method",
+                "tcp://127.0.0.1:1234",
+                "--rank",
+                "0",
+                "--world-size",
+                "2",
+                "--nproc-per-node",
+                "2",
+            ],
+            "one process per call",
+        ),
         (["--init-method", "file:///no/such/dir/x", "--rank", "0", "--world-size", "2"], "does not exist"),
         (["--launcher", "mpirun"], "invalid choice"),
         (["--nproc-per-node", "two"], "invalid int"),
@@ -161,7 +184,10 @@ def test_bad_launch_inputs(args, fragment):
     "variables, fragment",
     [
         ({"RANK": "0"}, "WORLD_SIZE missing"),
-        ({"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "outside world size"),
+        (
+            {"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            "outside world size",
+        ),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}, "out of range"),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_NODELIST"),
     ],
@@ -175,5 +201,17 @@ def test_unknown_command():
 
 
 def test_worker_argv_strips_only_launch_flags():
-    argv = ["train", "-c", "x.yaml", "--nproc-per-node", "2", "a.b=1", "--master-port=123", "--max-restarts", "3", "--init-method", "u"]
+    argv = [
+        "train",
+        "-c",
+        "x.yaml",
+        "--nproc-per-node",
+        "2",
+        "a.b=1",
+        "--master-port=123",
+        "--max-restarts",
+        "3",
+        "--init-method",
+        "u",
+    ]
     assert worker_argv(argv) == ["train", "-c", "x.yaml", "a.b=1", "--init-method", "u"]

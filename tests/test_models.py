@@ -435,3 +435,22 @@ def test_gloo_sync_bn_matches_full_batch():
         assert torch.allclose(r["wgrad"], bn.weight.grad, atol=1e-4)
         assert torch.allclose(r["running_mean"], bn.running_mean, atol=1e-5)
         assert torch.allclose(r["running_var"], bn.running_var, atol=1e-5)
+
+
+def test_public_api_names_all_resolve_and_import_stays_light():
+    code = (
+        "import sys, ddpkit; light = 'torchvision' not in sys.modules and 'sklearn' not in sys.modules; "
+        "missing = [n for n in ddpkit.__all__ if getattr(ddpkit, n, None) is None]; "
+        "assert light, 'import ddpkit pulled in torchvision or scikit-learn'; assert not missing, missing"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_read_weights_is_public_and_reads_a_plain_state_dict(tmp_path):
+    import ddpkit
+
+    model = torch.nn.Linear(3, 2)
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    got = ddpkit.read_weights(str(tmp_path / "w.pt"))
+    assert got.keys() == model.state_dict().keys()
+    torch.testing.assert_close(got["weight"], model.weight.detach())

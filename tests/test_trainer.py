@@ -16,7 +16,13 @@ from conftest import assert_user_error, cli_env, run_cli
 from ddpkit.metrics import METRIC_KEYS, read_metrics
 
 # Small, deterministic runs: digits, no augmentation, an MLP (no norm/dropout layers), constant lr.
-EXACT = ["data.augment=false", "model.arch=mlp", "optim.schedule=constant", "optim.ref_batch_size=null", "optim.lr=0.05"]
+EXACT = [
+    "data.augment=false",
+    "model.arch=mlp",
+    "optim.schedule=constant",
+    "optim.ref_batch_size=null",
+    "optim.lr=0.05",
+]
 
 
 def weights(out_dir) -> dict[str, torch.Tensor]:
@@ -41,7 +47,15 @@ def test_world_size_and_accumulation_equivalence(tmp_path):
     steps = ["train.max_steps=12", "train.epochs=1"]
     train(tmp_path / "one", *EXACT, *steps, "train.batch_size=32")
     train(tmp_path / "two", *EXACT, *steps, "train.batch_size=16", "--nproc-per-node", "2")
-    train(tmp_path / "acc", *EXACT, *steps, "train.batch_size=8", "train.grad_accum_steps=2", "--nproc-per-node", "2")
+    train(
+        tmp_path / "acc",
+        *EXACT,
+        *steps,
+        "train.batch_size=8",
+        "train.grad_accum_steps=2",
+        "--nproc-per-node",
+        "2",
+    )
     one, two, acc = (weights(tmp_path / n) for n in ("one", "two", "acc"))
     assert_same_weights(one, two)
     assert_same_weights(one, acc)
@@ -73,7 +87,9 @@ def test_exact_evaluation_on_1_to_4_processes(tmp_path):
 
 def run_until_epoch(cmd: list[str], out_dir, epoch: int, timeout: float = 300) -> None:
     """Start `cmd`, SIGKILL its whole process group once metrics.jsonl holds `epoch` lines."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(), start_new_session=True
+    )
     deadline = time.time() + timeout
     try:
         while time.time() < deadline:
@@ -103,7 +119,7 @@ def test_resume_after_kill_equals_unbroken_run(tmp_path):
     assert "resumed from" in proc.stdout
     a, b = read_metrics(tmp_path / "unbroken"), read_metrics(broken)
     assert [r["epoch"] for r in b] == [1, 2, 3, 4]  # each epoch exactly once
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         for key in ("train_loss", "train_acc1", "val_loss", "val_acc1", "lr"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), key
     assert_same_weights(weights(tmp_path / "unbroken"), weights(broken))

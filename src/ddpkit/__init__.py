@@ -39,6 +39,7 @@ _LAZY = {
     "evaluate": "ddpkit.trainer",
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
+    "read_weights": "ddpkit.models",
     "scaled_lr": "ddpkit.optim",
 }
 

@@ -6,8 +6,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -29,14 +30,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
-    """torch.save to a temporary file in the same folder, fsync, rename into place: readers never see half a file."""
-    path = Path(path)
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
+    """write(fh) into a temporary file in path's folder, fsync, rename over path: readers never see half a file.
+
+    A kill at any moment leaves the old file or the new one; the temporary of a killed write is swept by
+    CheckpointDir.newest_complete.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -48,32 +52,24 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     return path
 
 
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """torch.save, atomically (temporary file, fsync, rename)."""
+    return _atomic_write(Path(path), lambda fh: torch.save(state, fh))
+
+
 def save_text(path: str | os.PathLike, text: str) -> Path:
-    """Write a text file atomically (temporary name, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+    """Write a text file atomically (temporary file, fsync, rename)."""
+    return _atomic_write(Path(path), lambda fh: fh.write(text.encode("utf-8")))
 
 
 def _place(src: Path, dst: Path) -> None:
-    """Make dst an atomic copy of src: a hard link renamed into place (a real copy where links fail)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    os.unlink(tmp)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-    os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
+    """Make dst an atomic, independent copy of src (a copy, not a hard link: editing one must not touch the other)."""
+
+    def copy(out: BinaryIO) -> None:
+        with open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out, length=16 << 20)
+
+    _atomic_write(dst, copy)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -85,9 +81,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, pickle with code, not a torch file at all, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint") from None
+        raise UserError(
+            f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint"
+        ) from None
     if not isinstance(state, dict) or "model" not in state:
-        raise UserError(f"checkpoint '{path}' holds no 'model' entry", "point to a checkpoint written by ddpkit train")
+        raise UserError(
+            f"checkpoint '{path}' holds no 'model' entry", "point to a checkpoint written by ddpkit train"
+        )
     return state
 
 
@@ -131,6 +131,9 @@ class CheckpointDir:
 
     def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
         """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over."""
+        if self.dir.is_dir():  # temporary files of saves that were killed half-way
+            for tmp in self.dir.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
         for path in [self.last, *self.epoch_files()]:
             if not path.exists():
                 continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,10 +17,32 @@ from ddpkit.errors import Preempted, UserError, WorkerFailure
 # A command's module may also define `add_flags(parser)` (extra flags) and `preflight(cfg)` (checks that run
 # before any worker starts or any file is written).
 COMMANDS = {
-    "train": ("ddpkit.trainer:train_command", "train a model (the default recipe: digits, built-in CNN)", True, True),
+    "train": (
+        "ddpkit.trainer:train_command",
+        "train a model (the default recipe: digits, built-in CNN)",
+        True,
+        True,
+    ),
     "eval": ("ddpkit.trainer:eval_command", "score checkpoint.path on the validation set", True, True),
-    "info": ("ddpkit.info:info_command", "one line per rank: rank, local_rank, world_size, host, backend, device", False, True),
+    "info": (
+        "ddpkit.info:info_command",
+        "one line per rank: rank, local_rank, world_size, host, backend, device",
+        False,
+        True,
+    ),
     "comm": ("ddpkit.commcheck:comm_command", "check every collective and measure bandwidth", False, True),
+    "slurm": (
+        "ddpkit.cluster:slurm_command",
+        "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
+        True,
+        False,
+    ),
+    "k8s": (
+        "ddpkit.cluster:k8s_command",
+        "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
+        True,
+        False,
+    ),
 }
 
 
@@ -40,12 +63,16 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
     _, help_, takes_config, _ = COMMANDS[cmd]
     p = _Parser(prog=f"ddpkit {cmd}", description=help_)
     if takes_config:
-        p.add_argument("-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it")
+        p.add_argument(
+            "-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it"
+        )
         p.add_argument("--help-config", action="store_true", help="list every config key with its default")
     add_flags = getattr(_module(cmd), "add_flags", None)
     if add_flags is not None:
         add_flags(p)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=5")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=5"
+    )
     add_launch_flags(p)
     return p
 
@@ -53,7 +80,10 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 def _top_usage() -> str:
     lines = ["usage: ddpkit {train,eval,info,comm} [-c FILE.yaml] [KEY=VALUE ...] [launch flags]", ""]
     lines += [f"  {name:6s} {entry[1]}" for name, entry in COMMANDS.items()]
-    lines += ["", "`ddpkit CMD --help` lists a command's flags; `ddpkit train --help-config` lists the config keys."]
+    lines += [
+        "",
+        "`ddpkit CMD --help` lists a command's flags; `ddpkit train --help-config` lists the config keys.",
+    ]
     return "\n".join(lines)
 
 
@@ -79,7 +109,9 @@ def _load(cmd: str, args: argparse.Namespace):
         return load_config(args.config, args.overrides)
     bad = [o for o in args.overrides if not o.startswith("dist.")]
     if bad:
-        raise UserError(f"`ddpkit {cmd}` takes only dist.* settings, got '{bad[0]}'", "e.g. dist.backend=gloo")
+        raise UserError(
+            f"`ddpkit {cmd}` takes only dist.* settings, got '{bad[0]}'", "e.g. dist.backend=gloo"
+        )
     return load_config(None, args.overrides)
 
 
@@ -148,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"ddpkit: error: {e}", file=sys.stderr, flush=True)
         code = e.exit_code
     except Preempted as e:
-        print(f"ddpkit: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+            print(f"ddpkit: {e}", file=sys.stderr, flush=True)
         code = Preempted.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)

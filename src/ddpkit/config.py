@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ddpkit.errors import UserError
 
@@ -27,7 +27,9 @@ class DataConfig:
     download: bool = False
     synthetic_size: int = 2048
     synthetic_val_size: int = 512
-    image_size: Optional[int] = None  # None: the data set's own size (digits 8, cifar 32, mnist 28, imagefolder 224)
+    image_size: int | None = (
+        None  # None: the data set's own size (digits 8, cifar 32, mnist 28, imagefolder 224)
+    )
     augment: bool = True
     pin_memory: bool = True
 
@@ -35,22 +37,22 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     arch: str = "cnn"
-    num_classes: Optional[int] = None  # None: taken from the data set
+    num_classes: int | None = None  # None: taken from the data set
     sync_bn: bool = False
     channels_last: bool = False
     compile: bool = False
-    pretrained: Optional[str] = None  # a weights file (loaded with weights_only=True) or "torchvision"
+    pretrained: str | None = None  # a weights file (loaded with weights_only=True) or "torchvision"
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 10
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     batch_size: int = 32
     grad_accum_steps: int = 1
     amp: str = "none"
     label_smoothing: float = 0.0
-    clip_grad_norm: Optional[float] = None
+    clip_grad_norm: float | None = None
     log_every: int = 50
     nonfinite: str = "stop"  # stop | skip
 
@@ -59,7 +61,7 @@ class TrainConfig:
 class OptimConfig:
     name: str = "sgd"
     lr: float = 0.1
-    ref_batch_size: Optional[int] = 256
+    ref_batch_size: int | None = 256
     schedule: str = "cosine"
     warmup_epochs: float = 0.0
     momentum: float = 0.9
@@ -81,7 +83,7 @@ class DistConfig:
 class CheckpointConfig:
     resume: str = "auto"
     keep: int = 3
-    path: Optional[str] = None
+    path: str | None = None
     every_steps: int = 0  # also checkpoint every N optimizer steps (0: only at epoch ends)
     every_minutes: float = 0.0  # also checkpoint every N minutes of training (0: off)
 
@@ -89,7 +91,7 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     every: int = 1
-    batch_size: Optional[int] = None  # None: train.batch_size
+    batch_size: int | None = None  # None: train.batch_size
 
 
 @dataclass
@@ -110,7 +112,9 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         name = prefix + f.name
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+        if dataclasses.is_dataclass(
+            f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        ):
             keys.extend(valid_keys(f.default_factory, name + "."))
         else:
             keys.append(name)
@@ -126,7 +130,10 @@ def _check_key(key: str) -> None:
     if key in keys:
         return
     if key in _sections():
-        raise UserError(f"config key '{key}' is a section, not a value", f"set one of its keys, e.g. {key}.{_first_in(key)}=...")
+        raise UserError(
+            f"config key '{key}' is a section, not a value",
+            f"set one of its keys, e.g. {key}.{_first_in(key)}=...",
+        )
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     if not close:  # try matching the last part alone, e.g. 'batchsize' -> train.batch_size
         tail = key.split(".")[-1]
@@ -162,7 +169,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config file '{path}': {e}", "check the file's permissions and encoding") from None
+        raise UserError(
+            f"cannot read config file '{path}': {e}", "check the file's permissions and encoding"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -185,7 +194,9 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(file: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+def load_config(
+    file: str | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> Config:
     """Schema defaults <- `base` (e.g. a checkpoint's config) <- YAML file <- KEY=VALUE overrides; typed, validated."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -222,7 +233,8 @@ def load_config(file: str | None = None, overrides: list[str] | None = None, bas
             except OmegaConfBaseException as e:
                 expected = _type_name(key)
                 raise UserError(
-                    f"config key '{key}' expects {expected}, got {value!r}", f"give {key} {_an(expected)} value"
+                    f"config key '{key}' expects {expected}, got {value!r}",
+                    f"give {key} {_an(expected)} value",
                 ) from e
     obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(obj)
@@ -286,7 +298,9 @@ def validate(cfg: Config) -> None:
     _positive("train.log_every", cfg.train.log_every)
     _positive("train.clip_grad_norm", cfg.train.clip_grad_norm, allow_none=True)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
-        raise UserError(f"train.label_smoothing must be in [0, 1), got {cfg.train.label_smoothing}", "use e.g. 0.1")
+        raise UserError(
+            f"train.label_smoothing must be in [0, 1), got {cfg.train.label_smoothing}", "use e.g. 0.1"
+        )
     _positive("optim.lr", cfg.optim.lr)
     _positive("optim.ref_batch_size", cfg.optim.ref_batch_size, allow_none=True)
     _positive("optim.warmup_epochs", cfg.optim.warmup_epochs, allow_zero=True)
@@ -301,7 +315,9 @@ def validate(cfg: Config) -> None:
     _positive("eval.every", cfg.eval.every)
     _positive("eval.batch_size", cfg.eval.batch_size, allow_none=True)
     if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":
-        raise UserError("dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU")
+        raise UserError(
+            "dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU"
+        )
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -699,10 +699,14 @@ class DistributedLoader:
         # Worker seeds are drawn from this generator when workers start (with persistent workers: once,
         # at the first pass of this loader).
         self.loader.generator = self._generator(epoch)
-        yield from self.loader
-        if self._explicit == explicit:  # a full pass, and nobody chose the next epoch meanwhile
-            self.epoch = epoch + 1
-            self._start = 0
+        try:
+            yield from self.loader
+        finally:
+            # Also after a pass broken early (the iterator is closed when the loop drops it): the next pass is
+            # the next epoch, never a replay of this one's order, unless someone chose the epoch meanwhile.
+            if self._explicit == explicit:
+                self.epoch = epoch + 1
+                self._start = 0
 
 
 def distributed_loader(

@@ -90,9 +90,18 @@ class RunLog:
         if self.active and self.tty:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=steps, initial=initial, desc=f"epoch {epoch}/{epochs}", file=self.stream, dynamic_ncols=True, leave=False)
+            self._bar = tqdm(
+                total=steps,
+                initial=initial,
+                desc=f"epoch {epoch}/{epochs}",
+                file=self.stream,
+                dynamic_ncols=True,
+                leave=False,
+            )
 
-    def step(self, step_in_epoch: int, steps: int, epoch: int, epochs: int, sums: RunningSums | None, every: int) -> None:
+    def step(
+        self, step_in_epoch: int, steps: int, epoch: int, epochs: int, sums: RunningSums | None, every: int
+    ) -> None:
         """Advance the bar; without a terminal, every `every` steps a line shaped like the tutorials'."""
         if not self.active:
             return
@@ -104,7 +113,9 @@ class RunLog:
         elif sums is not None and (step_in_epoch % every == 0 or step_in_epoch == steps):
             loss, acc, _ = sums.local()
             w = len(str(steps))
-            self.info(f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f} | acc: {100 * acc:.3f}%")
+            self.info(
+                f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f} | acc: {100 * acc:.3f}%"
+            )
 
     def epoch_end(self) -> None:
         if self._bar is not None:
@@ -136,7 +147,11 @@ class RunLog:
             return
         rows = read_metrics(self.out_dir)
         keep = [r for r in rows if int(r.get("epoch", 0)) <= epoch]
-        if row is not None and int(row.get("epoch", 0)) == epoch and all(int(r["epoch"]) != epoch for r in keep):
+        if (
+            row is not None
+            and int(row.get("epoch", 0)) == epoch
+            and all(int(r["epoch"]) != epoch for r in keep)
+        ):
             keep.append(row)
         if keep != rows:
             from ddpkit.checkpoint import save_text

@@ -48,7 +48,10 @@ def preflight(cfg: Config) -> None:
     data.check_available(cfg)
     models.check_arch(cfg)
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_file():
-        raise UserError(f"checkpoint.resume '{cfg.checkpoint.resume}' does not exist", "use auto, none or a checkpoint file")
+        raise UserError(
+            f"checkpoint.resume '{cfg.checkpoint.resume}' does not exist",
+            "use auto, none or a checkpoint file",
+        )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -139,7 +142,9 @@ class Trainer:
         self.wrapped = self.strategy.wrap(self.model)
         if cfg.model.compile:
             self.wrapped = torch.compile(self.wrapped)
-        self.train_loader, self.val_loader = data.build_loaders(cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set)
+        self.train_loader, self.val_loader = data.build_loaders(
+            cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
+        )
         accum = cfg.train.grad_accum_steps
         self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch // accum
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
@@ -147,7 +152,9 @@ class Trainer:
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
-        self.optimizer = self.strategy.build_optimizer(self.model, lambda m: optim.build_optimizer(m, cfg, self.lr))
+        self.optimizer = self.strategy.build_optimizer(
+            self.model, lambda m: optim.build_optimizer(m, cfg, self.lr)
+        )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
@@ -218,7 +225,10 @@ class Trainer:
             self.strategy.load(self.wrapped, self.optimizer, state["model"], state.get("optimizer"))
         except (RuntimeError, KeyError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"checkpoint '{path}' does not fit this model: {first}", "resume with the config it was trained with, or checkpoint.resume=none") from None
+            raise UserError(
+                f"checkpoint '{path}' does not fit this model: {first}",
+                "resume with the config it was trained with, or checkpoint.resume=none",
+            ) from None
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
@@ -233,7 +243,9 @@ class Trainer:
             _set_rng_state(rng[self.ctx.rank])
         if self.consumed and state.get("partial_sums") and self.ctx.is_main:
             self._resume_sums = list(state["partial_sums"])
-        where = f"epoch {self.epoch}" + (f", {self.consumed} samples into epoch {self.epoch + 1}" if self.consumed else "")
+        where = f"epoch {self.epoch}" + (
+            f", {self.consumed} samples into epoch {self.epoch + 1}" if self.consumed else ""
+        )
         self.log.info(f"resumed from {path} ({where}, step {self.step})")
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -263,11 +275,19 @@ class Trainer:
                 train_loss, train_acc, seen = self.train_epoch(epoch, stop)
                 if stop.signum and self.consumed:  # stopped mid-epoch: checkpoint this step, exit
                     self.save(epoch_end=False)
-                    raise Preempted(f"stopped by {signal.Signals(stop.signum).name} at step {self.step}; checkpoint written, rerun the same command to continue")
+                    raise Preempted(
+                        f"stopped by {signal.Signals(stop.signum).name} at step {self.step}; checkpoint written, rerun the same command to continue"
+                    )
                 elapsed = time.perf_counter() - t0
                 self.epoch = epoch
-                do_eval = epoch % cfg.eval.every == 0 or epoch == cfg.train.epochs or self.step >= self.total_steps
-                val = self.evaluate() if do_eval else {"val_loss": None, "val_acc1": None, "val_acc5": None, "val_samples": None}
+                do_eval = (
+                    epoch % cfg.eval.every == 0 or epoch == cfg.train.epochs or self.step >= self.total_steps
+                )
+                val = (
+                    self.evaluate()
+                    if do_eval
+                    else {"val_loss": None, "val_acc1": None, "val_acc5": None, "val_samples": None}
+                )
                 is_best = val["val_acc1"] is not None and val["val_acc1"] > self.best_acc
                 if is_best:
                     self.best_acc = val["val_acc1"]
@@ -287,17 +307,27 @@ class Trainer:
                 self.log.metrics(last)
                 self.log.info(
                     f"epoch {epoch}/{cfg.train.epochs} | train loss {train_loss:.4f} acc {100 * train_acc:.2f}% | "
-                    + (f"val loss {val['val_loss']:.4f} acc1 {100 * val['val_acc1']:.2f}% | " if do_eval else "")
+                    + (
+                        f"val loss {val['val_loss']:.4f} acc1 {100 * val['val_acc1']:.2f}% | "
+                        if do_eval
+                        else ""
+                    )
                     + f"{last['train_images_per_s']} img/s | {elapsed:.1f}s"
                 )
-                if stop.signum:
-                    raise Preempted(f"stopped by {signal.Signals(stop.signum).name} after epoch {epoch}; rerun the same command to continue")
+                if self._agree(stop, force=True)[0]:
+                    raise Preempted(
+                        f"stopped by {signal.Signals(stop.signum).name} after epoch {epoch}; rerun the same command to continue"
+                    )
         if not last:
             rows = read_metrics(cfg.out_dir) if ctx.is_main else []
             last = rows[-1] if rows else {}
-            self.log.info(f"nothing to train: the run in {cfg.out_dir} already finished {self.epoch} epoch(s)")
+            self.log.info(
+                f"nothing to train: the run in {cfg.out_dir} already finished {self.epoch} epoch(s)"
+            )
         if last.get("val_acc1") is not None:
-            self.log.info(f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples")
+            self.log.info(
+                f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
+            )
         return last
 
     def train_epoch(self, epoch: int, stop: _StopFlag) -> tuple[float, float, int]:
@@ -314,7 +344,9 @@ class Trainer:
         first_step = self.consumed // self.global_batch
         self.wrapped.train()
         sums = self._sums = RunningSums(self.device)
-        if self._resume_sums is not None:  # the part of this epoch trained before the checkpoint (rank 0 holds it)
+        if (
+            self._resume_sums is not None
+        ):  # the part of this epoch trained before the checkpoint (rank 0 holds it)
             sums.t += torch.tensor(self._resume_sums, dtype=torch.float64, device=self.device)
             self._resume_sums = None
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first_step)
@@ -342,7 +374,9 @@ class Trainer:
             self.step += 1
             step_in_epoch += 1
             self.consumed = step_in_epoch * self.global_batch
-            self.log.step(step_in_epoch, self.steps_per_epoch, epoch, cfg.train.epochs, sums, cfg.train.log_every)
+            self.log.step(
+                step_in_epoch, self.steps_per_epoch, epoch, cfg.train.epochs, sums, cfg.train.log_every
+            )
             if step_in_epoch % cfg.train.log_every == 0:
                 self._check_finite(bad)
             self.heartbeat.step = self.step
@@ -373,7 +407,9 @@ class Trainer:
         """train.nonfinite=skip: every rank agrees to drop this step when any rank saw a non-finite loss."""
         flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).item() else 1.0], dtype=torch.float64)
         if all_reduce_sum(flag).item() > 0:
-            self.log.info(f"ddpkit: warning: non-finite loss at step {self.step + 1}; step skipped (train.nonfinite=skip)")
+            self.log.info(
+                f"ddpkit: warning: non-finite loss at step {self.step + 1}; step skipped (train.nonfinite=skip)"
+            )
             return True
         return False
 
@@ -387,7 +423,7 @@ class Trainer:
                 "lower optim.lr, enable train.clip_grad_norm, check the data, or set train.nonfinite=skip",
             )
 
-    def _agree(self, stop: _StopFlag) -> tuple[bool, bool]:
+    def _agree(self, stop: _StopFlag, force: bool = False) -> tuple[bool, bool]:
         """(stop now, checkpoint now), the same on every rank.
 
         A signal on any rank stops all ranks at the same step; rank 0's clock decides time-based checkpoints.
@@ -397,7 +433,7 @@ class Trainer:
         due = bool(every_s) and self.ctx.is_main and time.monotonic() - self._last_save >= every_s
         if self.ctx.world_size == 1:
             return bool(stop.signum), due
-        if self.step % STOP_CHECK_EVERY:
+        if self.step % STOP_CHECK_EVERY and not force:
             return False, False
         buf = torch.tensor([float(bool(stop.signum)), float(due)], dtype=torch.float64)
         stop_any, save = all_reduce_sum(buf).tolist()
@@ -408,7 +444,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
-        return evaluate(self.strategy.eval_module(self.wrapped), self.val_loader, self.device, self.criterion, self._autocast, self.strategy.collective_forward, self.cfg.model.channels_last)
+        return evaluate(
+            self.strategy.eval_module(self.wrapped),
+            self.val_loader,
+            self.device,
+            self.criterion,
+            self._autocast,
+            self.strategy.collective_forward,
+            self.cfg.model.channels_last,
+        )
 
     def _write_config(self) -> None:
         if self.ctx.is_main:
@@ -418,7 +462,15 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, criterion: nn.Module | None = None, autocast=contextlib.nullcontext, collective_forward: bool = False, channels_last: bool = False) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    criterion: nn.Module | None = None,
+    autocast=contextlib.nullcontext,
+    collective_forward: bool = False,
+    channels_last: bool = False,
+) -> dict[str, Any]:
     """Loss, top-1 and top-5 over an exact (duplicate-free) sharded loader, summed over all ranks."""
     criterion = criterion or nn.CrossEntropyLoss()
     was_training = model.training
@@ -487,26 +539,42 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     from ddpkit import data, models
 
     if not cfg.checkpoint.path:
-        raise UserError("ddpkit eval needs checkpoint.path", "add checkpoint.path=runs/NAME/checkpoints/best.pt")
+        raise UserError(
+            "ddpkit eval needs checkpoint.path", "add checkpoint.path=runs/NAME/checkpoints/best.pt"
+        )
     state = load_checkpoint(cfg.checkpoint.path, map_location="cpu")
     # The checkpoint's own config says which model and data it was trained on; command-line keys still win.
     if isinstance(state.get("config"), dict):
         cfg = config_mod.load_config(args.config, args.overrides, base=state["config"])
     _, val_set, spec = data.build_datasets(cfg)
     seed_model_init(cfg.seed)
-    model = models.build_model(cfg, cfg.model.num_classes or spec.num_classes, spec.in_channels, spec.image_size)
+    model = models.build_model(
+        cfg, cfg.model.num_classes or spec.num_classes, spec.in_channels, spec.image_size
+    )
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0][:200]
-        raise UserError(f"checkpoint '{cfg.checkpoint.path}' does not fit model.arch={cfg.model.arch}: {first}", "pass the model.* settings it was trained with") from None
+        raise UserError(
+            f"checkpoint '{cfg.checkpoint.path}' does not fit model.arch={cfg.model.arch}: {first}",
+            "pass the model.* settings it was trained with",
+        ) from None
     model = models.prepare_model(model, cfg, ctx.device, distributed=False)
-    loader = data.eval_loader(val_set, cfg.eval.batch_size or cfg.train.batch_size, num_workers=cfg.data.num_workers, rank=ctx.rank, world_size=ctx.world_size)
+    loader = data.eval_loader(
+        val_set,
+        cfg.eval.batch_size or cfg.train.batch_size,
+        num_workers=cfg.data.num_workers,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.amp]
     autocast = (lambda: torch.autocast(ctx.device.type, dtype=amp)) if amp else contextlib.nullcontext
     result = evaluate(model, loader, ctx.device, autocast=autocast, channels_last=cfg.model.channels_last)
     if ctx.is_main:
-        print(json.dumps({**result, "checkpoint": str(cfg.checkpoint.path), "world_size": ctx.world_size}), flush=True)
+        print(
+            json.dumps({**result, "checkpoint": str(cfg.checkpoint.path), "world_size": ctx.world_size}),
+            flush=True,
+        )
     return 0
 
 

@@ -74,7 +74,9 @@ def all_reduce_sum(value: Any) -> Any:
         t = torch.tensor([float(value)], dtype=torch.float64)
         s = all_reduce_sum(t).item()
         return int(s) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else s
-    raise TypeError(f"all_reduce_sum takes a tensor, a number or a list of numbers, not {type(value).__name__}")
+    raise TypeError(
+        f"all_reduce_sum takes a tensor, a number or a list of numbers, not {type(value).__name__}"
+    )
 
 
 def all_reduce_mean(value: Any) -> Any:
@@ -88,12 +90,12 @@ def all_reduce_mean(value: Any) -> Any:
     return s / n
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (of `group`, default: all ranks)."""
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

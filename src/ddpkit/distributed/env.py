@@ -44,18 +44,24 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(raw.strip())
     except ValueError:
-        raise UserError(f"{name}={raw!r} is not an integer", f"unset {name} or set it to a whole number") from None
+        raise UserError(
+            f"{name}={raw!r} is not an integer", f"unset {name} or set it to a whole number"
+        ) from None
 
 
 def _check_port(port: int, source: str) -> int:
     if not 1 <= port <= 65535:
-        raise UserError(f"master port {port} (from {source}) is out of range", "use a port between 1024 and 65535")
+        raise UserError(
+            f"master port {port} (from {source}) is out of range", "use a port between 1024 and 65535"
+        )
     return port
 
 
 def _check_ranks(rank: int, world: int, local_rank: int, local_world: int, source: str) -> None:
     if world < 1:
-        raise UserError(f"world size {world} (from {source}) must be at least 1", "check the launcher's task count")
+        raise UserError(
+            f"world size {world} (from {source}) must be at least 1", "check the launcher's task count"
+        )
     if not 0 <= rank < world:
         raise UserError(
             f"rank {rank} is outside world size {world} (from {source})", f"ranks run from 0 to {world - 1}"
@@ -82,7 +88,11 @@ def expand_nodelist(nodelist: str, use_scontrol: bool = True) -> list[str]:
     if use_scontrol and shutil.which("scontrol"):
         try:
             out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
             ).stdout.split()
             if out:
                 return out
@@ -123,7 +133,9 @@ def parse_nodelist(nodelist: str) -> list[str]:
             if "-" in sub:
                 lo, hi = sub.split("-", 1)
                 if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                    raise UserError(f"malformed Slurm node range '{sub}' in '{nodelist}'", "check SLURM_NODELIST")
+                    raise UserError(
+                        f"malformed Slurm node range '{sub}' in '{nodelist}'", "check SLURM_NODELIST"
+                    )
                 width = len(lo)
                 for i in range(int(lo), int(hi) + 1):
                     hosts.extend(parse_nodelist(f"{head}{i:0{width}d}{tail}"))
@@ -196,12 +208,16 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         local_world = _int(env, "SLURM_NTASKS_PER_NODE") if "SLURM_NTASKS_PER_NODE" in env else world
     _check_ranks(rank, world, local_rank, local_world, f"SLURM_PROCID/{ntasks_var}")
     if world > 1 and not hosts and "MASTER_ADDR" not in env:
-        raise UserError("Slurm job of several tasks without SLURM_NODELIST", "run under srun, or set MASTER_ADDR")
+        raise UserError(
+            "Slurm job of several tasks without SLURM_NODELIST", "run under srun, or set MASTER_ADDR"
+        )
     addr = env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1")
     if "MASTER_PORT" in env:
         port = _check_port(_int(env, "MASTER_PORT"), "MASTER_PORT")
     else:
-        port = slurm_port(env.get("SLURM_JOB_ID", "0") + "." + env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0")))
+        port = slurm_port(
+            env.get("SLURM_JOB_ID", "0") + "." + env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+        )
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -215,7 +231,9 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     )
 
 
-def _mpi_env(env: Mapping[str, str], names: tuple[str, str, str, str], launcher: str, job_key: str) -> DistEnv:
+def _mpi_env(
+    env: Mapping[str, str], names: tuple[str, str, str, str], launcher: str, job_key: str
+) -> DistEnv:
     rank_v, size_v, lrank_v, lsize_v = names
     _require_all(env, [rank_v, size_v], launcher)
     rank, world = _int(env, rank_v), _int(env, size_v)
@@ -250,27 +268,40 @@ def _mpi_env(env: Mapping[str, str], names: tuple[str, str, str, str], launcher:
 def manual_env(init_method: str, rank: int | None, world_size: int | None) -> DistEnv:
     """`--init-method URL --rank R --world-size W`: one process of a hand-started job."""
     if rank is None or world_size is None:
-        raise UserError("--init-method needs --rank and --world-size", "give all three, e.g. --rank 0 --world-size 3")
+        raise UserError(
+            "--init-method needs --rank and --world-size", "give all three, e.g. --rank 0 --world-size 3"
+        )
     _check_ranks(rank, world_size, 0, 1, "--rank/--world-size")
     addr, port = "127.0.0.1", DEFAULT_PORT
     if init_method.startswith("tcp://"):
         m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?", init_method)
         if not m:
-            raise UserError(f"bad --init-method '{init_method}'", "write tcp://HOST:PORT, e.g. tcp://127.0.0.1:22225")
+            raise UserError(
+                f"bad --init-method '{init_method}'", "write tcp://HOST:PORT, e.g. tcp://127.0.0.1:22225"
+            )
         addr, port = m.group(1).strip("[]"), _check_port(int(m.group(2)), "--init-method")
     elif init_method.startswith("file://"):
         path = init_method[len("file://") :]
         if not path.startswith("/"):
-            raise UserError(f"bad --init-method '{init_method}'", "write file:///ABSOLUTE/PATH (three slashes)")
+            raise UserError(
+                f"bad --init-method '{init_method}'", "write file:///ABSOLUTE/PATH (three slashes)"
+            )
         parent = os.path.dirname(path) or "/"
         if not os.path.isdir(parent):
-            raise UserError(f"the folder of the rendezvous file '{path}' does not exist", "create it on a shared file system")
+            raise UserError(
+                f"the folder of the rendezvous file '{path}' does not exist",
+                "create it on a shared file system",
+            )
         if os.path.isdir(path):
-            raise UserError(f"the rendezvous file '{path}' is a folder", "name a file that does not exist yet")
+            raise UserError(
+                f"the rendezvous file '{path}' is a folder", "name a file that does not exist yet"
+            )
     elif init_method.startswith("env://"):
         return replace_launcher(detect_env(os.environ), "manual")
     else:
-        raise UserError(f"unsupported --init-method '{init_method}'", "use tcp://HOST:PORT, file:///PATH or env://")
+        raise UserError(
+            f"unsupported --init-method '{init_method}'", "use tcp://HOST:PORT, file:///PATH or env://"
+        )
     return DistEnv(
         rank=rank,
         local_rank=0,
@@ -299,7 +330,12 @@ def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
         return _from_slurm(env)
     if "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        names = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
         return _mpi_env(env, names, "openmpi", "OMPI_MCA_ess_base_jobid")
     if "PMI_RANK" in env or "PMI_SIZE" in env:
         names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")

@@ -7,6 +7,7 @@ keeps beating, which is exactly the difference the message has to explain.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import threading
@@ -37,11 +38,14 @@ class Heartbeat:
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
         self.step = 0
         self._stop = threading.Event()
-        self._store = _default_store() if dist.is_available() and dist.is_initialized() and world_size > 1 else None
+        self._store = (
+            _default_store() if dist.is_available() and dist.is_initialized() and world_size > 1 else None
+        )
         self._thread: threading.Thread | None = None
         if self._store is not None:
             self._thread = threading.Thread(target=self._run, name="ddpkit-heartbeat", daemon=True)
             self._thread.start()
+            atexit.register(self.close)  # also when the caller never closes it (library use)
 
     @classmethod
     def current(cls, ctx) -> Heartbeat:
@@ -63,7 +67,14 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
     def close(self) -> None:
+        """Stop beating and wait for the thread to leave the store.
+
+        The wait matters: a daemon thread still inside a store call when the interpreter exits is killed
+        mid-C++-call, and the process aborts (SIGABRT) after training succeeded.
+        """
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 10)
 
     def read(self) -> dict[int, tuple[int, float]]:
         """{rank: (step, seconds since its last beat)} for every rank that has beaten."""
@@ -89,7 +100,9 @@ class Heartbeat:
         if self._store is None:
             return ""
         if not beats:
-            return "no rank's heartbeat could be read (the rendezvous store's host may be the rank that stopped)"
+            return (
+                "no rank's heartbeat could be read (the rendezvous store's host may be the rank that stopped)"
+            )
         silent = [r for r in range(self.world_size) if r not in beats]
         stale = sorted(r for r, (_, age) in beats.items() if age > 3 * self.interval_s + 1)
         parts = [f"rank {r} (last heartbeat at step {beats[r][0]}, {beats[r][1]:.0f} s ago)" for r in stale]
@@ -100,6 +113,12 @@ class Heartbeat:
                 behind = [r for r, (step, _) in beats.items() if step == low]
                 parts = [f"rank {r} (at step {low})" for r in behind]
         return ("stopped responding: " + ", ".join(parts)) if parts else ""
+
+
+def stop_heartbeat() -> None:
+    """Stop the process's heartbeat, if one runs (before the process group goes away, and at exit)."""
+    if _CURRENT is not None:
+        _CURRENT.close()
 
 
 @contextlib.contextmanager
@@ -116,5 +135,6 @@ def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) ->
         first = (text.splitlines() or [type(e).__name__])[0][:160]
         why = heartbeat.diagnose()
         raise WorkerFailure(
-            f"rank {ctx.rank} gave up on a collective at step {step()} ({first})" + (f"; {why}" if why else "")
+            f"rank {ctx.rank} gave up on a collective at step {step()} ({first})"
+            + (f"; {why}" if why else "")
         ) from None

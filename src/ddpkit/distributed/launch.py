@@ -23,8 +23,17 @@ PREEMPTED_EXIT = Preempted.exit_code
 # Flags that start workers; each takes a value. Workers get the command line without them.
 STARTER_FLAGS = frozenset(
     {
-        "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts",
-        "--launcher", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-timeout",
+        "--nproc-per-node",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--max-restarts",
+        "--launcher",
+        "--rdzv-endpoint",
+        "--rdzv-backend",
+        "--rdzv-id",
+        "--rdzv-timeout",
     }
 )
 
@@ -51,7 +60,10 @@ class LaunchSpec:
     @property
     def starts_workers(self) -> bool:
         return self.init_method is None and (
-            self.nproc_per_node is not None or self.nnodes > 1 or self.launcher == "spawn" or self.rdzv_endpoint
+            self.nproc_per_node is not None
+            or self.nnodes > 1
+            or self.launcher == "spawn"
+            or self.rdzv_endpoint
         )
 
 
@@ -63,9 +75,13 @@ def add_launch_flags(parser) -> None:
     g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank")
     g.add_argument("--master-addr", metavar="HOST", help="address of node 0")
     g.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (a free one when omitted)")
-    g.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart all workers up to K times")
+    g.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K", help="restart all workers up to K times"
+    )
     g.add_argument("--launcher", choices=["torchrun", "spawn"], default="torchrun")
-    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint (any node may start first)")
+    g.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint (any node may start first)"
+    )
     g.add_argument("--rdzv-backend", choices=["c10d", "static"], help="rendezvous backend")
     g.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes for the c10d rendezvous")
     g.add_argument("--rdzv-timeout", type=int, default=900, metavar="S", help="seconds to wait for all nodes")
@@ -93,24 +109,47 @@ def spec_from_args(args) -> LaunchSpec:
         world_size=args.world_size,
     )
     if spec.init_method is not None:
-        if spec.nproc_per_node is not None or spec.nnodes != 1 or spec.launcher == "spawn" or spec.max_restarts:
-            raise UserError("--init-method starts one process per call", "drop --nproc-per-node/--nnodes/--launcher/--max-restarts")
+        if (
+            spec.nproc_per_node is not None
+            or spec.nnodes != 1
+            or spec.launcher == "spawn"
+            or spec.max_restarts
+        ):
+            raise UserError(
+                "--init-method starts one process per call",
+                "drop --nproc-per-node/--nnodes/--launcher/--max-restarts",
+            )
     elif spec.rank is not None or spec.world_size is not None:
-        raise UserError("--rank and --world-size belong to a manual rendezvous", "add --init-method tcp://HOST:PORT")
+        raise UserError(
+            "--rank and --world-size belong to a manual rendezvous", "add --init-method tcp://HOST:PORT"
+        )
     if spec.nproc_per_node is not None and spec.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}", "use e.g. --nproc-per-node 2")
+        raise UserError(
+            f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}", "use e.g. --nproc-per-node 2"
+        )
     if spec.nnodes < 1:
         raise UserError(f"--nnodes must be at least 1, got {spec.nnodes}", "use e.g. --nnodes 2")
     if not 0 <= spec.node_rank < spec.nnodes:
-        raise UserError(f"--node-rank {spec.node_rank} is outside --nnodes {spec.nnodes}", f"node ranks run from 0 to {spec.nnodes - 1}")
+        raise UserError(
+            f"--node-rank {spec.node_rank} is outside --nnodes {spec.nnodes}",
+            f"node ranks run from 0 to {spec.nnodes - 1}",
+        )
     if spec.master_port is not None and not 1 <= spec.master_port <= 65535:
-        raise UserError(f"--master-port {spec.master_port} is out of range", "use a port between 1024 and 65535")
+        raise UserError(
+            f"--master-port {spec.master_port} is out of range", "use a port between 1024 and 65535"
+        )
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {spec.max_restarts}", "use e.g. --max-restarts 3")
     if spec.nnodes > 1 and not spec.master_addr and not spec.rdzv_endpoint:
-        raise UserError("--nnodes > 1 needs the address of node 0", "add --master-addr HOST (or --rdzv-endpoint HOST:PORT)")
+        raise UserError(
+            "--nnodes > 1 needs the address of node 0",
+            "add --master-addr HOST (or --rdzv-endpoint HOST:PORT)",
+        )
     if spec.launcher == "spawn" and spec.max_restarts:
-        raise UserError("--launcher spawn cannot restart workers", "use the default --launcher torchrun with --max-restarts")
+        raise UserError(
+            "--launcher spawn cannot restart workers",
+            "use the default --launcher torchrun with --max-restarts",
+        )
     if spec.launcher == "spawn" and spec.rdzv_endpoint:
         raise UserError("--launcher spawn does not take --rdzv-endpoint", "use --master-addr/--master-port")
     if spec.rdzv_endpoint and ":" not in spec.rdzv_endpoint:
@@ -166,7 +205,18 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     """A failed rendezvous -> a UserError saying what went wrong; any other exception unchanged."""
     name = type(e).__name__
     msg = str(e).strip().splitlines()[0] if str(e).strip() else name
-    if "timeout" in name.lower() or "timed out" in msg.lower():  # c10d: RendezvousTimeoutError; static: DistStoreError
+    low = msg.lower()
+    if "connect" in low and (
+        "timed out" in low or "failed to connect" in low
+    ):  # never reached the rendezvous host
+        why = re.search(r"errno: \d+ - ([^)]+)\)", msg)
+        return UserError(
+            f"could not reach the rendezvous at {endpoint}: "
+            + (why[1] if why else f"no answer within --rdzv-timeout {spec.rdzv_timeout} s"),
+            "check that the master address and port name node 0, that node 0 runs, and that no firewall blocks the port",
+        )
+    # c10d raises RendezvousTimeoutError, static a DistStoreError "Timed out ... 1/2 clients joined."
+    if "timeout" in name.lower() or "timed out" in low:
         joined = re.search(r"(\d+)/(\d+) clients joined", msg)
         who = f"only {joined[1]} of {joined[2]} nodes" if joined else f"not all {spec.nnodes} nodes"
         return UserError(
@@ -174,7 +224,12 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
             "start every node with the same --nnodes and rendezvous address, check that each can reach it, "
             "or raise --rdzv-timeout",
         )
-    if "Rendezvous" in name or "rendezvous" in msg.lower() or isinstance(e, (RuntimeError, OSError, ValueError)):
+    if "EADDRINUSE" in msg or "address already in use" in low:
+        return UserError(
+            f"the rendezvous port of {endpoint} is already in use on this host",
+            "another job listens there: choose another --master-port or --rdzv-endpoint port",
+        )
+    if "Rendezvous" in name or "rendezvous" in low or isinstance(e, (RuntimeError, OSError, ValueError)):
         return UserError(
             f"the launch failed at the rendezvous {endpoint}: {name}: {msg}",
             "check that every node was started with the same --nnodes and can reach the master address and port",
@@ -182,7 +237,9 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     return e
 
 
-def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Sequence[str] | None = None) -> None:
+def launch_elastic(
+    spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Sequence[str] | None = None
+) -> None:
     """Run `python -m ddpkit ARGV` (or `python ENTRYPOINT_ARGS`) on nproc_per_node workers via torch's elastic agent."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -197,6 +254,10 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Seque
         configs: dict = {"timeout": spec.rdzv_timeout, "join_timeout": spec.rdzv_timeout}
         if backend == "static":
             configs["rank"] = spec.node_rank
+        else:
+            # Each node's agent counts its own restarts, so workers cannot name a restart round the same way
+            # on every node: let each round start a fresh store instead of sharing the agent's (runtime.py).
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     elif spec.nnodes == 1 and spec.master_port is None:  # like torchrun --standalone: a free port
         backend, endpoint, run_id = "c10d", f"localhost:{free_port()}", str(uuid.uuid4())
         configs = {"timeout": spec.rdzv_timeout}
@@ -226,10 +287,16 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Seque
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes and all(c == PREEMPTED_EXIT for c in codes.values()):
-            raise Preempted("workers stopped at a step boundary after a checkpoint; rerun the same command to continue") from None
+            raise Preempted(
+                "workers stopped at a step boundary after a checkpoint; rerun the same command to continue"
+            ) from None
         raise _failure(codes, spec.max_restarts) from None
-    except SignalException as e:  # the launcher itself got SIGTERM/SIGINT: workers were asked to stop and checkpoint
-        raise Preempted(f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)") from None
+    except (
+        SignalException
+    ) as e:  # the launcher itself got SIGTERM/SIGINT: workers were asked to stop and checkpoint
+        raise Preempted(
+            f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)"
+        ) from None
     except Exception as e:  # rendezvous failures: a node that never came, a port in use, ...
         err = _rendezvous_error(e, spec, endpoint)
         if err is e:
@@ -237,7 +304,9 @@ def launch_elastic(spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Seque
         raise err from None
 
 
-def _spawn_entry(local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]) -> None:
+def _spawn_entry(
+    local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]
+) -> None:
     os.environ.update(env)
     rank = int(env["GROUP_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))

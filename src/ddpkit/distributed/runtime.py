@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.env import DistEnv, detect_env
+from ddpkit.distributed.health import stop_heartbeat
 from ddpkit.errors import UserError
 
 
@@ -36,7 +37,9 @@ class DistContext:
         return iter((self.rank, self.local_rank, self.world_size, self.device, self.backend))
 
 
-def resolve_device_backend(env: DistEnv, backend: str = "auto", device: str = "auto") -> tuple[str, torch.device]:
+def resolve_device_backend(
+    env: DistEnv, backend: str = "auto", device: str = "auto"
+) -> tuple[str, torch.device]:
     """nccl + cuda:local_rank when every local rank has its own GPU; gloo + cpu without GPUs."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
@@ -44,7 +47,9 @@ def resolve_device_backend(env: DistEnv, backend: str = "auto", device: str = "a
     if device == "cuda":
         if n_gpus == 0:
             what = "dist.backend=nccl" if backend == "nccl" else "dist.device=cuda"
-            raise UserError(f"{what} needs CUDA but no GPU is visible", "use dist.backend=gloo dist.device=cpu on CPU")
+            raise UserError(
+                f"{what} needs CUDA but no GPU is visible", "use dist.backend=gloo dist.device=cpu on CPU"
+            )
         if env.local_world_size > n_gpus:
             raise UserError(
                 f"{env.local_world_size} processes on this node but only {n_gpus} GPU(s) visible",
@@ -58,7 +63,9 @@ def resolve_device_backend(env: DistEnv, backend: str = "auto", device: str = "a
     if backend == "nccl" and dev.type != "cuda":
         raise UserError("dist.backend=nccl needs CUDA devices", "use dist.backend=gloo on CPU")
     if backend == "mpi" and not dist.is_mpi_available():
-        raise UserError("dist.backend=mpi but this PyTorch was built without MPI", "use dist.backend=gloo or nccl")
+        raise UserError(
+            "dist.backend=mpi but this PyTorch was built without MPI", "use dist.backend=gloo or nccl"
+        )
     if backend == "gloo" and not dist.is_gloo_available():
         raise UserError("dist.backend=gloo but this PyTorch has no gloo", "use dist.backend=nccl")
     return backend, dev
@@ -95,14 +102,15 @@ def init_distributed(
             )
         if dev.type == "cuda":
             kwargs["device_id"] = dev
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
+            store = _attempt_store(env, timeout)
+            if store is not None:
+                kwargs["store"] = store
+            else:
+                kwargs["init_method"] = env.init_method
             dist.init_process_group(
-                backend=backend,
-                init_method=env.init_method,
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                **kwargs,
+                backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
             )
         except (RuntimeError, ValueError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -116,9 +124,30 @@ def init_distributed(
     return _CONTEXT
 
 
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta):
+    """Under torch's elastic agent: its store, seen through a prefix of this restart attempt; else None.
+
+    The agent keeps one store for the whole job and hands it to every restart round, so keys that the
+    killed workers wrote (gloo's peer addresses, heartbeats) are still there when their replacements
+    connect: a replacement may read a dead peer's address and hang until the timeout. A per-attempt
+    prefix gives every round fresh keys. (TORCHELASTIC_RESTART_COUNT is the same for all workers of one
+    agent; launch.py turns store sharing off for multi-node c10d jobs, whose agents count separately.)
+    """
+    if not env.init_method.startswith("env://") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("MASTER_ADDR") != env.master_addr or os.environ.get("MASTER_PORT") != str(
+        env.master_port
+    ):
+        return None  # the agent serves its store at exactly MASTER_ADDR:MASTER_PORT
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddpkit/attempt_{attempt}/", store)
+
+
 def shutdown() -> None:
     """Destroy the process group if we made one; safe to call twice."""
     global _CONTEXT
+    stop_heartbeat()  # its thread uses the group's store
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

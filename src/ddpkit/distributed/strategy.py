@@ -54,7 +54,9 @@ class Strategy:
         """Gradient sync on (last micro-step) or off (the others)."""
         return contextlib.nullcontext()
 
-    def build_optimizer(self, model: nn.Module, factory: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, model: nn.Module, factory: Callable[..., torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
         return factory(model)
 
     def model_state(self, wrapped: nn.Module) -> dict:
@@ -64,7 +66,13 @@ class Strategy:
         """The full optimizer state on rank 0 (None elsewhere when it has to be gathered). Collective."""
         return optimizer.state_dict()
 
-    def load(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict, optim_sd: dict | None):
+    def load(
+        self,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_sd: dict,
+        optim_sd: dict | None,
+    ):
         self.unwrap(wrapped).load_state_dict(model_sd)
         if optimizer is not None and optim_sd is not None:
             optimizer.load_state_dict(optim_sd)
@@ -103,7 +111,9 @@ class Zero1Strategy(DDPStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         template = factory(model)
-        defaults = {k: v for k, v in template.defaults.items() if k not in ("differentiable", "foreach", "fused")}
+        defaults = {
+            k: v for k, v in template.defaults.items() if k not in ("differentiable", "foreach", "fused")
+        }
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **defaults)
 
     def optimizer_state(self, wrapped, optimizer):
@@ -156,7 +166,11 @@ class FSDPStrategy(Strategy):
         return sd if self.ctx.rank == 0 else None
 
     def load(self, wrapped, optimizer, model_sd, optim_sd):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(wrapped, model_sd, options=opts)

@@ -1,0 +1,97 @@
+"""Helpers shared by the benchmarks: machine description, streaming a subprocess with timestamps, tables."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return (
+        f"{m['date']} | {m['cpus']} CPU cores ({m['cpu_model']}), GPU: {m['gpu']} | "
+        f"torch {m['torch']}, Python {m['python']} | load average at start {m.get('loadavg_at_start')}"
+    )
+
+
+def run_streaming(
+    cmd: list[str], env: dict[str, str] | None = None, echo: bool = False, on_line=None
+) -> tuple[int, float, list[tuple[float, str]]]:
+    """Run cmd, timestamp every output line (seconds since launch); returns (rc, wall_s, [(t, line)])."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["PYTHONUNBUFFERED"] = "1"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    lines: list[tuple[float, str]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        t = time.perf_counter() - t0
+        line = line.rstrip("\n")
+        lines.append((t, line))
+        if echo:
+            print(f"    [{t:7.2f}s] {line}", flush=True)
+        if on_line is not None:
+            on_line(t, line)
+    rc = proc.wait()
+    return rc, time.perf_counter() - t0, lines
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,45 @@
+"""SCENARIOS A.6: the framework way (Distribuuuu's train_net.py): a recipe file plus KEY VALUE overrides.
+
+    torchrun --nproc-per-node 8 examples/a6_framework.py --cfg configs/cifar10_resnet18.yaml \\
+        TRAIN.BATCH_SIZE 128 OUT_DIR ./resnet18_1024bs OPTIM.LR 0.4
+    srun --ntasks-per-node=8 -n64 python -u examples/a6_framework.py --cfg configs/cifar10_resnet18.yaml \\
+        train.batch_size 128 out_dir runs/resnet18_8192bs
+    torchrun --nproc-per-node 2 examples/a6_framework.py --cfg configs/digits.yaml    # CPU, the digits
+
+Keys are ddpkit's (`ddpkit train --help-config`), in any case: TRAIN.BATCH_SIZE 128 is train.batch_size=128.
+The lr follows the global batch (optim.lr at optim.ref_batch_size). Distribuuuu's advice holds: turn on
+model.sync_bn only when the per-GPU batch is small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import ddpkit
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cfg", help="a YAML recipe, e.g. configs/cifar10_resnet18.yaml")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs, e.g. train.batch_size 128")
+    args = parser.parse_args()
+    if len(args.opts) % 2:
+        parser.error(f"overrides come in KEY VALUE pairs, got {args.opts}")
+    overrides = [f"{key.lower()}={value}" for key, value in zip(args.opts[::2], args.opts[1::2], strict=True)]
+    try:
+        cfg = ddpkit.load_config(args.cfg, overrides)
+        ctx = ddpkit.init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
+        ddpkit.Trainer(cfg, ctx).fit()  # logs on rank 0, evaluates exactly, checkpoints to out_dir
+    except ddpkit.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        ddpkit.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

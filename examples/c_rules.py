@@ -1,0 +1,70 @@
+"""SCENARIOS C.10-12, 14, 15: the rules every DDP script follows, each shown once.
+
+    torchrun --nproc-per-node 2 examples/c_rules.py
+    torchrun --nnodes 2 --node-rank 0 --master-addr HOST --nproc-per-node 2 examples/c_rules.py   # and node 1
+
+With 2 nodes x 2 GPUs the local ranks are 0 1 0 1 and the ranks 0 1 2 3. The script asserts what it shows
+(identical initial weights, different augmentation, the mean loss) and exits non-zero if a rule is broken.
+"""
+
+from __future__ import annotations
+
+import _common as common
+from torch.utils.data import DataLoader
+
+import ddpkit
+
+
+def main() -> None:
+    args = common.parser(__doc__, batch_size=32, epochs=1, lr=0.4).parse_args()
+    # C.10: one line per process, in any order
+    ctx = ddpkit.init_distributed()
+    rank, local_rank, world_size, device, backend = ctx
+    common.print_line(
+        f"rank {rank} | local_rank {local_rank} | world_size {world_size} | device {device} | {backend}"
+    )
+    main_process = ddpkit.is_main_process()
+
+    # C.11: the loader's batch is per process; the global batch is that x world_size, and the lr follows it
+    train_set, _, spec = common.datasets(args)
+    loader = ddpkit.distributed_loader(train_set, args.batch_size)
+    global_batch = args.batch_size * world_size
+    lr = ddpkit.scaled_lr(args.lr, global_batch, 256)
+    if main_process:
+        plain = len(DataLoader(train_set, batch_size=args.batch_size))
+        print(f"batch {args.batch_size} per process x {world_size} processes = global batch {global_batch}")
+        print(f"lr {args.lr:g} at batch 256 -> {lr:g} at {global_batch}")
+        print(
+            f"steps per epoch: {len(loader)} (a plain DataLoader: {plain}, each process sees the whole set)"
+        )
+
+    # C.12: the same seed for the model (identical replicas), seed + rank for augmentation (own streams)
+    ddpkit.seed_model_init(0)
+    model = common.small_cnn(spec.in_channels, spec.image_size).to(device)
+    inits = ddpkit.all_gather_object(common.checksum(model))
+    ddpkit.seed_rank(0)
+    augmented = ddpkit.all_gather_object(round(sum(float(train_set[i][0].sum()) for i in range(8)), 4))
+    assert len(set(inits)) == 1, f"initial weights differ between ranks: {inits}"
+    assert len(set(augmented)) == world_size, f"augmentation repeats between ranks: {augmented}"
+    if main_process:
+        print(f"init checksum per rank: {inits} (identical)")
+        print(f"augmented samples 0-7 checksum per rank: {augmented} (different)")
+
+    # C.15: a loss averaged over the processes with all_reduce
+    net = common.ddp(model, ctx)
+    loss, _ = common.train_epoch(net, loader, common.sgd(net, lr), device, 1, args)
+    losses, mean = ddpkit.all_gather_object(loss), ddpkit.all_reduce_mean(loss)
+    assert abs(mean - sum(losses) / world_size) < 1e-9
+    if main_process:
+        print(f"train loss per rank {[round(x, 4) for x in losses]} -> all_reduce mean {mean:.4f}")
+
+    # C.14: print and save on rank 0 only; save the model inside the DDP wrapper (net.module): its keys
+    # have no `module.` prefix, so a model without DDP loads them
+    if main_process:
+        ddpkit.save_checkpoint({"model": model.state_dict()}, args.out)  # model is net.module
+        print(f"rank 0 saved net.module.state_dict() to {args.out}", flush=True)
+    ddpkit.shutdown()
+
+
+if __name__ == "__main__":
+    main()

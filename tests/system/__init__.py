@@ -1,0 +1,1 @@
+"""System tests: real Slurm daemons, real network namespaces, real mpirun (see conftest.py for the fixtures)."""

@@ -1,0 +1,398 @@
+"""Fault injection on real processes: killed workers, kills mid-save, corrupt checkpoints, stalls, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_user_error, cli_env, run_cli
+from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
+from ddpkit.metrics import read_metrics
+
+# Deterministic runs: no augmentation, no norm/dropout layers, so a resumed run must equal an unbroken one.
+EXACT = ["model.arch=mlp", "data.augment=false", "train.epochs=3"]
+TRIALS = int(os.environ.get("DDPKIT_FAULT_TRIALS", "5"))
+
+
+def start(out_dir, *args, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "train", f"out_dir={out_dir}", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(env),
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"run hung:\n{err[-3000:]}") from None
+    return proc.returncode, out, err
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid (the launcher's workers)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def workers(launcher_pid: int) -> list[int]:
+    out = []
+    for c in children(launcher_pid):
+        try:
+            if b"ddpkit" in Path(f"/proc/{c}/cmdline").read_bytes():
+                out.append(c)
+        except OSError:
+            pass
+    return out
+
+
+def wait_for(predicate, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def final(out_dir) -> tuple[list[dict], dict]:
+    return read_metrics(out_dir), load_checkpoint(Path(out_dir) / "checkpoints" / "last.pt")["model"]
+
+
+def assert_same_run(a, b) -> None:
+    rows_a, model_a = a
+    rows_b, model_b = b
+    assert [r["epoch"] for r in rows_b] == [r["epoch"] for r in rows_a]  # every epoch exactly once
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for key in ("train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "lr"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["epoch"], key)
+    for k in model_a:
+        torch.testing.assert_close(model_b[k], model_a[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """The reference: the same 2-process run with nothing going wrong."""
+    out = tmp_path_factory.mktemp("unbroken") / "run"
+    rc, _, err = finish(start(out, *EXACT, "checkpoint.every_steps=5", "--nproc-per-node", "2"))
+    assert rc == 0, err[-3000:]
+    return final(out)
+
+
+@pytest.mark.slow
+def test_sigkill_random_worker_then_elastic_restart_equals_unbroken(tmp_path, unbroken):
+    rng = random.Random(1234)
+    survived = 0
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        proc = start(out, *EXACT, "checkpoint.every_steps=5", "--nproc-per-node", "2", "--max-restarts", "3")
+        # a random moment: after a random number of completed steps (a checkpoint may or may not exist yet)
+        target = rng.choice([None, 1, 2])
+        if target is None:
+            wait_for(lambda p=proc: len(workers(p.pid)) == 2, proc=proc)
+            time.sleep(rng.uniform(0.5, 4.0))
+        else:
+            wait_for(lambda o=out, t=target: len(read_metrics(o)) >= t, proc=proc)
+            time.sleep(rng.uniform(0.0, 0.6))
+        victims = workers(proc.pid)
+        if victims:
+            os.kill(rng.choice(victims), signal.SIGKILL)
+            survived += 1
+        rc, _, err = finish(proc)
+        assert rc == 0, f"trial {trial}: {err[-3000:]}"
+        assert_same_run(unbroken, final(out))
+    assert survived >= TRIALS - 1  # nearly every trial really lost a worker
+
+
+SAVER = r"""
+import sys, torch
+from ddpkit.checkpoint import save_checkpoint
+path, i = sys.argv[1], int(sys.argv[2])
+while True:
+    i += 1
+    save_checkpoint({"model": {"w": torch.full((1_000_000,), float(i))}, "step": i}, path)
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_write_never_leaves_an_unreadable_newest(tmp_path):
+    path = tmp_path / "checkpoints" / "last.pt"
+    rng = random.Random(7)
+    seen = 0
+    for _ in range(12):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(path), str(seen)], stdout=subprocess.PIPE, env=cli_env()
+        )
+        proc.stdout.readline()  # at least one complete save
+        time.sleep(rng.uniform(0.0, 0.1))
+        proc.kill()
+        proc.wait()
+        state = load_checkpoint(path)  # raises if unreadable
+        assert state["model"]["w"][0].item() == state["step"]
+        assert state["step"] > seen  # the newest complete save, never an older one
+        seen = state["step"]
+    # the temporary files of killed saves are swept when a run next looks for a checkpoint
+    CheckpointDir(tmp_path).newest_complete()
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_epochs") / "run"
+    rc, _, err = finish(start(out, *EXACT[:2], "train.epochs=2"))
+    assert rc == 0, err
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_damaged_last_checkpoint_falls_back_and_says_so(tmp_path, two_epochs, damage):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(two_epochs, out)
+    last = out / "checkpoints" / "last.pt"
+    data = last.read_bytes()
+    with open(last, "r+b") as fh:  # damaged in place, as another tool would
+        fh.truncate(0)
+        fh.write({"truncated": data[: len(data) // 2], "empty": b"", "garbage": os.urandom(4096)}[damage])
+    assert load_checkpoint(out / "checkpoints" / "epoch_0002.pt")["epoch"] == 2  # a copy, not a link: intact
+    rc, stdout, err = finish(start(out, *EXACT[:2], "train.epochs=3"))
+    assert rc == 0, err
+    assert "warning" in stdout and "last.pt" in stdout and "falling back" in stdout
+    assert "resumed from" in stdout and "epoch_0002.pt" in stdout
+    assert [r["epoch"] for r in read_metrics(out)] == [1, 2, 3]
+    assert load_checkpoint(last)["epoch"] == 3
+
+
+@pytest.mark.slow
+def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
+    timeout_s = 6
+    out = tmp_path / "run"
+    proc = start(
+        out, "model.arch=mlp", "train.epochs=200", f"dist.timeout_s={timeout_s}", "--nproc-per-node", "2"
+    )
+    wait_for(lambda: len(read_metrics(out)) >= 1, proc=proc)
+    time.sleep(1.5)  # let the heartbeats carry a step number
+    victim = sorted(workers(proc.pid))[1]  # workers start in rank order
+    t0 = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    rc, _, err = finish(proc, timeout=timeout_s + 120)
+    elapsed = time.time() - t0
+    assert rc != 0
+    # the collective timeout, then at most torch's launcher's 30 s grace before it SIGKILLs the stopped rank
+    assert elapsed < timeout_s + 45, elapsed
+    lines = [ln for ln in err.splitlines() if ln.startswith("ddpkit: error:")]
+    assert any("stopped responding: rank 1" in ln and "at step" in ln for ln in lines), err[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_checkpoints_this_step_and_resumes_exactly(tmp_path):
+    args = [
+        "model.arch=mlp",
+        "data.augment=false",
+        "train.epochs=2",
+        "train.batch_size=4",
+        "train.log_every=20",
+    ]
+    ref = tmp_path / "ref"
+    rc, _, err = finish(start(ref, *args))
+    assert rc == 0, err
+    out = tmp_path / "run"
+    proc = start(out, *args)
+    log = out / "log.txt"
+    wait_for(lambda: log.exists() and "[2/2]" in log.read_text(), proc=proc)  # inside epoch 2 (359 steps)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 3, err  # the documented preemption exit code
+    assert "stopped by SIGTERM at step" in err
+    state = load_checkpoint(out / "checkpoints" / "last.pt")
+    assert state["epoch"] == 1 and 0 < state["consumed"] < 1438
+    rc, stdout, err = finish(start(out, *args))
+    assert rc == 0, err
+    assert "samples into epoch 2" in stdout
+    assert_same_run(final(ref), final(out))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_all_workers_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ["model.arch=mlp", "data.augment=false", "train.epochs=50", "--nproc-per-node", "2"]
+    proc = start(out, *args)
+    wait_for(lambda: len(read_metrics(out)) >= 1, proc=proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 3, err[-3000:]
+    state = load_checkpoint(out / "checkpoints" / "last.pt")
+    assert state["step"] >= 22
+    assert len(read_metrics(out)) == state["epoch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_three_ranks_uneven_sizes_never_hang(tmp_path, strategy):
+    out = tmp_path / strategy
+    rc, _, err = finish(
+        start(
+            out,
+            "data.dataset=synthetic",
+            "data.synthetic_size=1001",
+            "data.synthetic_val_size=7",
+            "data.image_size=8",
+            "model.arch=mlp",
+            "train.batch_size=10",
+            "train.epochs=2",
+            "eval.batch_size=2",
+            f"dist.strategy={strategy}",
+            "--nproc-per-node",
+            "3",
+        ),
+        timeout=240,
+    )
+    assert rc == 0, err[-3000:]
+    rows = read_metrics(out)
+    assert [r["val_samples"] for r in rows] == [7, 7]
+    assert rows[-1]["step"] == 2 * (1001 // 30)
+
+
+def test_nonfinite_loss_stops_naming_step_and_ranks(tmp_path):
+    proc = run_cli(
+        "train", f"out_dir={tmp_path / 'run'}", "model.arch=mlp", "optim.lr=1e12", "train.epochs=1"
+    )
+    line = assert_user_error(proc, "non-finite loss on rank 0", "by step")
+    assert "train.nonfinite=skip" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on garbage was saved
+
+
+def test_nonfinite_skip_drops_the_step(tmp_path):
+    proc = run_cli(
+        "train",
+        f"out_dir={tmp_path / 'run'}",
+        "model.arch=mlp",
+        "optim.lr=1e12",
+        "train.epochs=1",
+        "train.nonfinite=skip",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "step skipped" in proc.stdout
+
+
+def test_checkpoint_files_refuse_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": Evil()}, path)
+    proc = run_cli("eval", f"checkpoint.path={path}")
+    assert_user_error(proc, "unreadable")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_save_checkpoint_is_atomic_on_error(tmp_path):
+    path = tmp_path / "ck.pt"
+    save_checkpoint({"model": {"a": torch.ones(2)}}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint({"model": {}, "bad": Unpicklable()}, path)
+    assert torch.equal(load_checkpoint(path)["model"]["a"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+RESTART_SCRIPT = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+import ddpkit
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank = int(os.environ["RANK"])
+if attempt == 1 and rank == 1:
+    time.sleep(4)  # the replacement of rank 1 comes late: rank 0 must not take its predecessor's address
+ddpkit.init_distributed(timeout_s=20)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+if attempt == 0:
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)  # a worker dies; the agent restarts both
+    time.sleep(60)
+print(f"attempt {attempt} rank {rank} sum {t.item():g}", flush=True)
+ddpkit.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_restarted_workers_never_see_the_dead_workers_rendezvous_keys(tmp_path):
+    # torch's agent hands the same store to every restart round; without a per-attempt view of it the late
+    # replacement's peer reads the dead worker's gloo address and hangs until the timeout.
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    t0 = time.time()
+    proc = subprocess.run(
+        [*cmd, "--max-restarts", "1", str(script)], capture_output=True, text=True, env=cli_env(), timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["attempt 1 rank 0 sum 3", "attempt 1 rank 1 sum 3"]
+    assert time.time() - t0 < 60
+
+
+BEATING_EXIT_SCRIPT = r"""
+import sys, time
+import torch.distributed as dist
+import ddpkit
+from ddpkit.distributed.health import Heartbeat
+
+ctx = ddpkit.init_distributed("gloo", "cpu", 30)
+Heartbeat(ctx.rank, ctx.world_size, interval_s=0.0)  # never closed by the caller, always inside the store
+time.sleep(0.3)
+dist.barrier()
+print(f"rank {ctx.rank} done", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_heartbeat_left_running_never_aborts_the_exit(tmp_path):
+    # A daemon thread still inside a store call when the interpreter exits is killed mid-C++-call and the
+    # process dies of SIGABRT ("terminate called without an active exception") after a successful run.
+    script = tmp_path / "beating.py"
+    script.write_text(BEATING_EXIT_SCRIPT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert sorted(proc.stdout.split()) == sorted("rank 0 done rank 1 done".split())
