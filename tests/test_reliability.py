@@ -342,7 +342,8 @@ if attempt == 0:
     if rank == 1:
         os._exit(1)  # a worker dies; the agent restarts both
     time.sleep(60)
-print(f"attempt {attempt} rank {rank} sum {t.item():g}", flush=True)
+sys.stdout.write(f"attempt {attempt} rank {rank} sum {t.item():g}\n")  # one write: the ranks share a pipe
+sys.stdout.flush()
 ddpkit.shutdown()
 """
 
@@ -373,7 +374,8 @@ ctx = ddpkit.init_distributed("gloo", "cpu", 30)
 Heartbeat(ctx.rank, ctx.world_size, interval_s=0.0)  # never closed by the caller, always inside the store
 time.sleep(0.3)
 dist.barrier()
-print(f"rank {ctx.rank} done", flush=True)
+sys.stdout.write(f"rank {ctx.rank} done\n")  # one write: the ranks share a pipe
+sys.stdout.flush()
 sys.exit(0)
 """
 

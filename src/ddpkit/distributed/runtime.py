@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +121,9 @@ def init_distributed(
                 f"rank {env.rank} could not join the process group at {where} ({first})",
                 "check that every rank uses the same master address and port and that it is reachable",
             ) from None
-        atexit.register(shutdown)
+        for handler in (_drain_at_exit, shutdown):  # last in, first out: shutdown, then the drain
+            atexit.unregister(handler)  # once each, however often the group is made again
+            atexit.register(handler)
     _CONTEXT = DistContext(env=env, backend=backend, device=dev)
     return _CONTEXT
 
@@ -154,6 +158,25 @@ def shutdown() -> None:
         except Exception:  # teardown after a failure must not mask the failure
             pass
     _CONTEXT = None
+
+
+# How long the exit waits, with the GIL released, for gloo's worker threads to drop finished work.
+EXIT_DRAIN_S = 0.2
+
+
+def _drain_at_exit() -> None:
+    """Let gloo's worker threads finish with Python objects while the interpreter can still serve them.
+
+    A gloo worker thread drops its reference to a finished collective (and the tensors in it) a moment after
+    the caller's wait() returned. When the process exits in that moment (a script whose last line is a
+    collective), the thread asks for the GIL during interpreter finalization, Python ends the thread, and the
+    unwinding through a C++ destructor aborts the process: "terminate called without an active exception",
+    SIGABRT, after a run that succeeded. Waiting here, before finalization starts, with the GIL free, lets
+    the thread finish; the collection that follows tears down groups nobody references any more (a DDP
+    model that went out of scope holds one), joining their threads while Python is fully alive.
+    """
+    time.sleep(EXIT_DRAIN_S)
+    gc.collect()
 
 
 def current() -> DistContext | None:
