@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import os
 import socket
 import time
@@ -167,16 +166,15 @@ EXIT_DRAIN_S = 0.2
 def _drain_at_exit() -> None:
     """Let gloo's worker threads finish with Python objects while the interpreter can still serve them.
 
-    A gloo worker thread drops its reference to a finished collective (and the tensors in it) a moment after
-    the caller's wait() returned. When the process exits in that moment (a script whose last line is a
-    collective), the thread asks for the GIL during interpreter finalization, Python ends the thread, and the
-    unwinding through a C++ destructor aborts the process: "terminate called without an active exception",
-    SIGABRT, after a run that succeeded. Waiting here, before finalization starts, with the GIL free, lets
-    the thread finish; the collection that follows tears down groups nobody references any more (a DDP
-    model that went out of scope holds one), joining their threads while Python is fully alive.
+    A gloo worker thread (`pt_gloo_runloop`) drops its reference to a finished collective, and the tensors
+    in it, a moment after the caller's wait() returned, and the group's threads live on after
+    destroy_process_group while a DDP model still holds the group. When the process exits in that moment
+    (a script whose last line is a collective), the thread asks for the GIL during interpreter finalization,
+    Python ends the thread, and the unwinding through a C++ destructor aborts the process ("terminate called
+    without an active exception", SIGABRT) after a run that succeeded. A short wait here, before
+    finalization starts and with the GIL free, lets the thread finish first.
     """
     time.sleep(EXIT_DRAIN_S)
-    gc.collect()
 
 
 def current() -> DistContext | None:
