@@ -182,3 +182,23 @@ def test_eval_uses_the_checkpoints_model(tmp_path):
     assert {"val_loss", "val_acc1", "val_acc5", "val_samples"} <= set(result)
     mismatch = run_cli("eval", f"checkpoint.path={run / 'checkpoints' / 'last.pt'}", "model.arch=cnn")
     assert_user_error(mismatch, "does not fit")
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_trains_and_checkpoints_the_scaler(tmp_path, amp):
+    # CPU autocast in the given dtype; fp16 also runs a GradScaler whose state goes into the checkpoint and
+    # comes back on resume (a scaler that restarts at 65536 would skip steps after every resume).
+    out = tmp_path / amp
+    train(out, *EXACT, "train.epochs=1", "train.max_steps=6", "train.batch_size=32", f"train.amp={amp}")
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    rows = read_metrics(out)
+    assert len(rows) == 1 and rows[0]["train_loss"] == rows[0]["train_loss"]  # finite, not NaN
+    if amp == "bf16":
+        assert not state["scaler"]  # no scaler without fp16
+        return
+    scale = state["scaler"]["scale"]
+    assert scale > 0
+    proc = train(out, *EXACT, "train.epochs=2", "train.batch_size=32", "train.amp=fp16")
+    assert "resumed from" in proc.stdout + proc.stderr
+    again = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["scaler"]
+    assert again["scale"] > 0 and again["_growth_tracker"] >= state["scaler"]["_growth_tracker"]

@@ -4,10 +4,11 @@ an sbatch script written by `ddpkit slurm`, submitted, waited for and checked.""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
-from ddpkit.distributed.env import slurm_port
+from ddpkit.distributed.env import expand_nodelist, parse_nodelist, slurm_port
 
 from .helpers import PY, TRAIN, assert_trained, finish, ok, rank_lines, tail
 
@@ -117,3 +118,15 @@ def test_sbatch_script_written_by_ddpkit_slurm_runs_and_trains(slurm, tmp_path):
     assert state == "COMPLETED", (state, {k: tail(v) for k, v in logs.items()})
     assert "final val_acc1" in logs[".out"] + logs.get(".err", ""), logs
     assert_trained(out_dir, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [("node[01-03],gpu7", ["node01", "node02", "node03", "gpu7"]), ("n[1,3-4]", ["n1", "n3", "n4"])],
+)
+def test_scontrol_and_the_fallback_parser_agree(slurm, nodelist, hosts):
+    # The fixture installed Slurm: scontrol itself, ddpkit's path through it and the fallback parser agree.
+    scontrol = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    assert scontrol.stdout.split() == hosts, scontrol.stderr
+    assert expand_nodelist(nodelist) == hosts
+    assert parse_nodelist(nodelist) == hosts
