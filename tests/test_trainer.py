@@ -202,3 +202,15 @@ def test_amp_trains_and_checkpoints_the_scaler(tmp_path, amp):
     assert "resumed from" in proc.stdout + proc.stderr
     again = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["scaler"]
     assert again["scale"] > 0 and again["_growth_tracker"] >= state["scaler"]["_growth_tracker"]
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_the_eager_one(tmp_path):
+    # torch.compile (inductor on the CPU): same weights as eager after a few steps, and a checkpoint whose
+    # keys carry no `_orig_mod.` prefix, so eval and resume load it into a plain model.
+    steps = ["train.epochs=1", "train.max_steps=4", "train.batch_size=32"]
+    train(tmp_path / "eager", *EXACT, *steps)
+    train(tmp_path / "compiled", *EXACT, *steps, "model.compile=true", timeout=600)
+    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    assert not any(k.startswith("_orig_mod.") for k in compiled)
+    assert_same_weights(eager, compiled, atol=1e-4)

@@ -141,7 +141,9 @@ class Trainer:
         self.model = models.prepare_model(model, cfg, self.device, distributed=ctx.world_size > 1)
         self.wrapped = self.strategy.wrap(self.model)
         if cfg.model.compile:
-            self.wrapped = torch.compile(self.wrapped)
+            # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
+            # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
+            self.wrapped.compile()
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
         )
