@@ -4,7 +4,6 @@ an sbatch script written by `ddpkit slurm`, submitted, waited for and checked.""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
@@ -124,9 +123,10 @@ def test_sbatch_script_written_by_ddpkit_slurm_runs_and_trains(slurm, tmp_path):
     ("nodelist", "hosts"),
     [("node[01-03],gpu7", ["node01", "node02", "node03", "gpu7"]), ("n[1,3-4]", ["n1", "n3", "n4"])],
 )
-def test_scontrol_and_the_fallback_parser_agree(slurm, nodelist, hosts):
-    # The fixture installed Slurm: scontrol itself, ddpkit's path through it and the fallback parser agree.
-    scontrol = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+def test_scontrol_and_the_fallback_parser_agree(slurm, monkeypatch, nodelist, hosts):
+    # With Slurm installed and configured: scontrol itself, ddpkit's path through it and the fallback parser agree.
+    scontrol = slurm.run("scontrol", "show", "hostnames", nodelist)
     assert scontrol.stdout.split() == hosts, scontrol.stderr
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     assert expand_nodelist(nodelist) == hosts
     assert parse_nodelist(nodelist) == hosts
