@@ -11,7 +11,8 @@ import operator
 import pytest
 
 from conftest import assert_user_error, run_cli
-from ddpkit import commcheck
+from ddpkit.commands import comm as commcheck
+from ddpkit.distributed import collective_bench, collective_check
 from ddpkit.errors import UserError
 
 SMALL = ("--sizes", "4K-64K", "--iters", "3", "--warmup", "1")
@@ -45,10 +46,10 @@ def _statuses(report, **where):
 
 
 @pytest.mark.parametrize("n", range(1, 10))
-@pytest.mark.parametrize("kind", list(commcheck.REDUCTIONS))
+@pytest.mark.parametrize("kind", list(collective_check.REDUCTIONS))
 def test_closed_forms_equal_the_reduction_done_rank_by_rank(kind, n):
-    _, _, element, closed_form = commcheck.REDUCTIONS[kind]
-    for j in range(commcheck.CHUNK):
+    _, _, element, closed_form = collective_check.REDUCTIONS[kind]
+    for j in range(collective_check.CHUNK):
         assert functools.reduce(PY_OPS[kind], [element(r, j) for r in range(n)]) == closed_form(n, j), (
             kind,
             n,
@@ -86,16 +87,16 @@ def test_ops_select_checks_and_benchmarks_by_family():
 
 
 def test_verdicts_agree_across_ranks():
-    assert commcheck.merge([("ok", ""), ("n/a", "")]) == ("ok", "")
-    assert commcheck.merge([("n/a", ""), ("n/a", "")]) == ("n/a", "")
-    assert commcheck.merge([("ok", ""), ("WRONG", "rank 1: x")]) == ("WRONG", "rank 1: x")
-    assert commcheck.merge([("raised", "E: no"), ("raised", "E: no")]) == ("unsupported", "E: no")
-    assert commcheck.merge([("raised", "E: no"), ("ok", "")])[0] == "error"
-    assert commcheck.merge([("raised", "E: no"), ("raised", "Timeout")])[0] == "error"
+    assert collective_check.merge([("ok", ""), ("n/a", "")]) == ("ok", "")
+    assert collective_check.merge([("n/a", ""), ("n/a", "")]) == ("n/a", "")
+    assert collective_check.merge([("ok", ""), ("WRONG", "rank 1: x")]) == ("WRONG", "rank 1: x")
+    assert collective_check.merge([("raised", "E: no"), ("raised", "E: no")]) == ("unsupported", "E: no")
+    assert collective_check.merge([("raised", "E: no"), ("ok", "")])[0] == "error"
+    assert collective_check.merge([("raised", "E: no"), ("raised", "Timeout")])[0] == "error"
 
 
 def test_bus_bandwidth_factors_are_nccl_tests():
-    factor = {op: f(4) for op, f in commcheck.BUS_FACTOR.items()}
+    factor = {op: f(4) for op, f in collective_bench.BUS_FACTOR.items()}
     assert factor == {
         "all_reduce": 1.5,
         "all_gather": 0.75,
@@ -153,7 +154,7 @@ def test_every_collective_checks_out_on_gloo_and_is_benchmarked(tmp_path, n):
     assert report["world_size"] == n and report["check_complete"]
     sub = "ranks " + ",".join(str(r) for r in range(0, n, 2))
     assert {(r["group"]) for r in report["check"]} == {"world", "world async", sub}
-    assert {r["op"] for r in report["check"]} == set(commcheck.CHECKS)
+    assert {r["op"] for r in report["check"]} == set(collective_check.CHECKS)
     for r in report["check"]:
         p2p_na = r["op"] in ("send_recv", "isend_irecv") and (
             r["group"] == "world async" or n == 2 and r["group"] == sub
@@ -163,11 +164,11 @@ def test_every_collective_checks_out_on_gloo_and_is_benchmarked(tmp_path, n):
 
     sizes = [4096 << k for k in range(5)]
     elem = 4
-    for op, factor in commcheck.BUS_FACTOR.items():
+    for op, factor in collective_bench.BUS_FACTOR.items():
         rows = [r for r in report["bench"] if r["op"] == op]
         assert len(rows) == len(sizes), op
         for r, size in zip(rows, sizes, strict=True):
-            split = op in commcheck.SPLIT_OPS
+            split = op in collective_bench.SPLIT_OPS
             assert r["bytes"] == (size // elem // n * n if split else size // elem) * elem
             assert r["time_us"] > 0
             assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_us"] / 1e3, rel_tol=1e-9)
@@ -182,7 +183,7 @@ def test_every_collective_checks_out_on_gloo_and_is_benchmarked(tmp_path, n):
 
 @pytest.mark.slow
 def test_a_tampered_expected_value_is_caught_and_an_unsupported_op_reported(tmp_path):
-    env = {commcheck.TAMPER_ENV: "all_reduce_sum,scatter:raise"}
+    env = {collective_check.TAMPER_ENV: "all_reduce_sum,scatter:raise"}
     proc, report = _run_comm(tmp_path, "--nproc-per-node", "2", "--check-only", env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("ddpkit comm (")]
@@ -197,7 +198,7 @@ def test_a_tampered_expected_value_is_caught_and_an_unsupported_op_reported(tmp_
 
 @pytest.mark.slow
 def test_an_op_failing_on_one_rank_only_stops_the_check_instead_of_hanging(tmp_path):
-    env = {commcheck.TAMPER_ENV: "all_reduce_min:raise@1"}
+    env = {collective_check.TAMPER_ENV: "all_reduce_min:raise@1"}
     proc, report = _run_comm(tmp_path, "--nproc-per-node", "2", "--check-only", "dist.timeout_s=5", env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check stopped" in proc.stdout

@@ -313,8 +313,8 @@ def _ranks(n, batch, world, seed=0, epoch=0, accum=1, start=0, shuffle=True):
 
 
 def _global_steps(per_rank):
-    """Per global micro-step, the concatenation of every rank's batch (rank order)."""
-    return [sum((per_rank[r][i] for r in range(len(per_rank))), []) for i in range(len(per_rank[0]))]
+    """Per global micro-step, the samples all ranks train on together (sorted: DDP averages over the union)."""
+    return [sorted(sum((per_rank[r][i] for r in range(len(per_rank))), [])) for i in range(len(per_rank[0]))]
 
 
 def test_same_global_order_on_any_world_size():
@@ -323,10 +323,35 @@ def test_same_global_order_on_any_world_size():
     assert _global_steps(_ranks(200, 4, 4)) == one
     # 2 processes x B/2 with 2 accumulation micro-steps cover the 1-process optimizer step
     accum = _global_steps(_ranks(200, 4, 2, accum=2))
-    assert [accum[i] + accum[i + 1] for i in range(0, len(accum), 2)] == one
+    assert [sorted(accum[i] + accum[i + 1]) for i in range(0, len(accum), 2)] == one
     s = GlobalOrderSampler(200, 16, 0, 1, 0)
-    assert sum(one, []) == s.global_order()[: len(one) * 16].tolist()
-    assert _ranks(40, 4, 2, shuffle=False)[1][0] == [4, 5, 6, 7]
+    order = s.global_order().tolist()
+    assert one == [sorted(order[i : i + 16]) for i in range(0, len(one) * 16, 16)]
+    assert _ranks(40, 4, 2, shuffle=False)[1][0] == [1, 3, 5, 7]  # DistributedSampler's interleaving
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "drop_last"),
+    [(200, 16, 2, True), (203, 8, 3, True), (203, 8, 3, False), (10, 4, 4, False)],
+)
+def test_same_batches_as_torch_distributed_sampler(n, batch, world, drop_last):
+    """A script ported from DistributedSampler + DataLoader sees exactly the batches it saw before."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = _Indexed(n)
+    for epoch in (0, 3):
+        for rank in range(world):
+            theirs = DistributedSampler(
+                ds, num_replicas=world, rank=rank, shuffle=True, seed=5, drop_last=drop_last
+            )
+            theirs.set_epoch(epoch)
+            want = [
+                b[0][:, 0].long().tolist() for b in DataLoader(ds, batch, sampler=theirs, drop_last=drop_last)
+            ]
+            ours = distributed_loader(ds, batch, seed=5, drop_last=drop_last, rank=rank, world_size=world)
+            ours.set_epoch(epoch)
+            assert [b[0][:, 0].long().tolist() for b in ours] == want, (epoch, rank)
 
 
 def test_equal_steps_on_every_rank_and_accum_rounding():
@@ -336,7 +361,7 @@ def test_equal_steps_on_every_rank_and_accum_rounding():
     assert len(seen) == len(set(seen)) == 990
     per_rank = _ranks(1001, 10, 3, accum=4)
     assert [len(p) for p in per_rank] == [32, 32, 32]  # rounded down to a multiple of grad_accum_steps
-    assert GlobalOrderSampler(1001, 10, 0, 3, 0, grad_accum_steps=4).steps_per_epoch == 32
+    assert GlobalOrderSampler(1001, 10, 0, 3, 0, grad_accum_steps=4).micro_batches_per_epoch == 32
 
 
 def test_epochs_differ_and_repeat():
@@ -354,17 +379,19 @@ def test_set_start_resumes_on_other_world_sizes():
     k = 7  # micro-batches done at world size 2, batch 8 -> consumed 7 * 16 samples
     before = sum(_global_steps(_ranks(n, 8, 2, seed=5, epoch=epoch))[:k], [])
     consumed = k * 16
-    assert before == order[:consumed]
+    assert sorted(before) == sorted(order[:consumed])
     for world, batch in ((1, 16), (4, 4), (3, 8)):
         after = sum(_global_steps(_ranks(n, batch, world, seed=5, epoch=epoch, start=consumed)), [])
-        assert after == order[consumed : consumed + len(after)]  # the same remaining global order
+        assert sorted(after) == sorted(
+            order[consumed : consumed + len(after)]
+        )  # the same remaining global order
         assert not set(after) & set(before)  # nothing seen twice
         assert len(after) == (n - consumed) // (batch * world) * batch * world
     s = GlobalOrderSampler(n, 8, 0, 2, 5)
     s.set_start(consumed)
     assert len(s) == (n - consumed) // 16 * 8
     s.set_epoch(3)  # a new epoch starts from its beginning
-    assert len(s) == s.steps_per_epoch * 8
+    assert len(s) == s.micro_batches_per_epoch * 8
     with pytest.raises(UserError):
         s.set_start(n + 1)
 
@@ -434,7 +461,7 @@ def _pass(loader) -> list[int]:
 def test_loader_sets_epoch_itself():
     ds = _Indexed(100)
     loader = distributed_loader(ds, 10, seed=1)
-    assert isinstance(loader, DistributedLoader) and len(loader) == 10 == loader.steps_per_epoch
+    assert isinstance(loader, DistributedLoader) and len(loader) == 10 == loader.micro_batches_per_epoch
     p0, p1 = _pass(loader), _pass(loader)
     assert p0 != p1 and sorted(p0) == sorted(p1) == list(range(100))
     assert loader.epoch == 2

@@ -140,7 +140,7 @@ def test_failed_worker_is_named(tmp_path):
     spec = LaunchSpec(nproc_per_node=2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with pytest.raises(WorkerFailure, match=r"rank 1 \(exit code 7\)"):
-        launch_elastic(spec, [], entrypoint_args=[str(script)])
+        launch_elastic(spec, [str(script)])
 
 
 @pytest.mark.parametrize(

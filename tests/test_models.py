@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ddpkit.config import Config
+from ddpkit.distributed.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
 from ddpkit.errors import UserError
 from ddpkit.models import (
-    GlooSyncBatchNorm,
     build_model,
     check_arch,
     load_matching,
@@ -381,8 +381,6 @@ def test_channels_last():
 def _sync_bn_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ddpkit.models import convert_gloo_sync_batchnorm
 
     torch.manual_seed(0)
     full = torch.randn(8, 3, 4, 4) * 3 + 1

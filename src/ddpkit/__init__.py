@@ -37,6 +37,7 @@ _LAZY = {
     "GlobalOrderSampler": "ddpkit.data",
     "ExactEvalSampler": "ddpkit.data",
     "evaluate": "ddpkit.trainer",
+    "eval_loader": "ddpkit.data",
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
     "read_weights": "ddpkit.models",

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
 
@@ -80,7 +80,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, pickle with code, not a torch file at all, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e)
         raise UserError(
             f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint"
         ) from None

@@ -6,44 +6,12 @@ User mistakes (UserError) become one `ddpkit: error: WHAT (HOW TO FIX)` line and
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
 
+from ddpkit.commands import COMMANDS, Command
 from ddpkit.errors import Preempted, UserError, WorkerFailure
-
-# command -> (module:function, one-line help, takes a training config, runs on every rank of a process group).
-# A command's module may also define `add_flags(parser)` (extra flags) and `preflight(cfg)` (checks that run
-# before any worker starts or any file is written).
-COMMANDS = {
-    "train": (
-        "ddpkit.trainer:train_command",
-        "train a model (the default recipe: digits, built-in CNN)",
-        True,
-        True,
-    ),
-    "eval": ("ddpkit.trainer:eval_command", "score checkpoint.path on the validation set", True, True),
-    "info": (
-        "ddpkit.info:info_command",
-        "one line per rank: rank, local_rank, world_size, host, backend, device",
-        False,
-        True,
-    ),
-    "comm": ("ddpkit.commcheck:comm_command", "check every collective and measure bandwidth", False, True),
-    "slurm": (
-        "ddpkit.cluster:slurm_command",
-        "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
-        True,
-        False,
-    ),
-    "k8s": (
-        "ddpkit.cluster:k8s_command",
-        "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
-        True,
-        False,
-    ),
-}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,33 +21,35 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
 
 
-def _module(cmd: str):
-    return importlib.import_module(COMMANDS[cmd][0].split(":")[0])
-
-
-def _command_parser(cmd: str) -> argparse.ArgumentParser:
+def command_parser(command: Command) -> argparse.ArgumentParser:
+    """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
     from ddpkit.distributed.launch import add_launch_flags
 
-    _, help_, takes_config, _ = COMMANDS[cmd]
-    p = _Parser(prog=f"ddpkit {cmd}", description=help_)
-    if takes_config:
+    p = _Parser(prog=f"ddpkit {command.name}", description=command.help)
+    if command.config == "train":
         p.add_argument(
             "-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it"
         )
-        p.add_argument("--help-config", action="store_true", help="list every config key with its default")
-    add_flags = getattr(_module(cmd), "add_flags", None)
+        p.add_argument(
+            "--help-config", action="store_true", help="list every config key: type, default and meaning"
+        )
+    add_flags = getattr(command.module, "add_flags", None)
     if add_flags is not None:
         add_flags(p)
-    p.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=5"
-    )
-    add_launch_flags(p)
+    if command.config != "none":
+        what = (
+            "dotted config overrides, e.g. train.epochs=5" if command.config == "train" else "dist.* settings"
+        )
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=what)
+    if command.mode == "group":
+        add_launch_flags(p)
     return p
 
 
-def _top_usage() -> str:
-    lines = ["usage: ddpkit {train,eval,info,comm} [-c FILE.yaml] [KEY=VALUE ...] [launch flags]", ""]
-    lines += [f"  {name:6s} {entry[1]}" for name, entry in COMMANDS.items()]
+def top_usage() -> str:
+    """`ddpkit --help`: every command with its one-line help."""
+    lines = ["usage: ddpkit {" + ",".join(COMMANDS) + "} ...", ""]
+    lines += [f"  {c.name:6s} {c.help}" for c in COMMANDS.values()]
     lines += [
         "",
         "`ddpkit CMD --help` lists a command's flags; `ddpkit train --help-config` lists the config keys.",
@@ -87,82 +57,95 @@ def _top_usage() -> str:
     return "\n".join(lines)
 
 
-def parse(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
+def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
+    """(the command, its parsed arguments); UserError for an unknown command or a bad flag."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(_top_usage())
+        print(top_usage())
         raise SystemExit(0)
-    cmd = argv[0]
-    if cmd not in COMMANDS:
+    name = argv[0]
+    if name not in COMMANDS:
         import difflib
 
-        close = difflib.get_close_matches(cmd, list(COMMANDS), n=1)
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "commands: " + ", ".join(COMMANDS)
-        raise UserError(f"unknown command '{cmd}'", hint)
-    args = _command_parser(cmd).parse_intermixed_args(list(argv[1:]))
-    return cmd, args
+        raise UserError(f"unknown command '{name}'", hint)
+    command = COMMANDS[name]
+    if command.mode != "group":
+        from ddpkit.distributed.launch import LAUNCH_FLAGS
+
+        given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
+        if given:
+            raise UserError(
+                f"launch flags do not apply to `ddpkit {name}` ({given[0]})",
+                f"`ddpkit {name} --help` lists its flags; launch flags belong to train, eval, run, info and comm",
+            )
+    return command, command_parser(command).parse_intermixed_args(list(argv[1:]))
 
 
-def _load(cmd: str, args: argparse.Namespace):
+def _load(command: Command, args: argparse.Namespace):
     from ddpkit.config import load_config
 
-    if COMMANDS[cmd][2]:
+    if command.config == "none":
+        return None
+    if command.config == "train":
         return load_config(args.config, args.overrides)
     bad = [o for o in args.overrides if not o.startswith("dist.")]
     if bad:
         raise UserError(
-            f"`ddpkit {cmd}` takes only dist.* settings, got '{bad[0]}'", "e.g. dist.backend=gloo"
+            f"`ddpkit {command.name}` takes only dist.* settings, got '{bad[0]}'", "e.g. dist.backend=gloo"
         )
     return load_config(None, args.overrides)
 
 
-def _function(cmd: str):
-    mod, fn = COMMANDS[cmd][0].split(":")
-    return getattr(importlib.import_module(mod), fn)
-
-
-def preflight(cmd: str, cfg, env) -> None:
+def preflight(command: Command, cfg, env) -> None:
     """Every check that can fail before a worker starts or a file is written."""
     from ddpkit.distributed.runtime import resolve_device_backend
 
     resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
-    check = getattr(_module(cmd), "preflight", None)
+    check = getattr(command.module, "preflight", None)
     if check is not None:
         check(cfg)
 
 
 def run(argv: Sequence[str]) -> int:
     """Run one ddpkit command line in this process (starting workers if the launch flags ask for them)."""
-    from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args, worker_argv
-
     argv = list(argv)
-    cmd, args = parse(argv)
+    if argv and argv[0] in COMMANDS and COMMANDS[argv[0]].mode == "script":
+        return int(COMMANDS[argv[0]].function(argv[1:]) or 0)
+    command, args = parse(argv)
     if getattr(args, "help_config", False):
         from ddpkit.config import describe_keys
 
         print(describe_keys())
         return 0
-    cfg = _load(cmd, args)
-    if not COMMANDS[cmd][3]:  # a local command: writes or submits something, starts no process group
-        return int(_function(cmd)(cfg, args) or 0)
+    cfg = _load(command, args)
+    if command.mode == "local":  # writes or submits something, starts no process group
+        return int(command.function(cfg, args) or 0)
+    return _run_group(command, cfg, args, argv)
+
+
+def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
+    from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args, worker_argv
+
     spec = spec_from_args(args)
     if spec.starts_workers:
         from ddpkit.distributed.env import DistEnv
 
-        preflight(cmd, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
+        preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
         if spec.launcher == "spawn":
             launch_spawn(spec, worker_argv(argv), run)
         else:
-            launch_elastic(spec, worker_argv(argv))
+            launch_elastic(spec, ["-u", "-m", "ddpkit", *worker_argv(argv)])
         return 0
 
     from ddpkit.distributed.env import detect_env, manual_env
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     env = manual_env(spec.init_method, spec.rank, spec.world_size) if spec.init_method else detect_env()
-    preflight(cmd, cfg, env)
+    preflight(command, cfg, env)
     ctx = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s, env)
     try:
-        return int(_function(cmd)(cfg, args, ctx) or 0)
+        return int(command.function(cfg, args, ctx) or 0)
     finally:
         shutdown()
 

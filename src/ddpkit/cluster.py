@@ -69,16 +69,6 @@ def add_flags(parser) -> None:
         )
 
 
-def _check_no_launch_flags(cmd: str, args) -> None:
-    from ddpkit.distributed.launch import LaunchSpec, spec_from_args
-
-    if spec_from_args(args) != LaunchSpec():
-        raise UserError(
-            f"launch flags do not apply to `ddpkit {cmd}`: the job starts one rank per GPU itself",
-            "drop --nproc-per-node/--nnodes/--master-addr/...; use --nodes and --gpus-per-node",
-        )
-
-
 def _check_shape(nodes: int, gpus: int) -> None:
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {nodes}", "use e.g. --nodes 2")
@@ -189,7 +179,6 @@ def _submit(script: Path) -> str:
 
 def slurm_command(cfg: Config, args) -> int:
     """Write (and with --submit, submit) the sbatch script for N nodes x G GPUs; print it."""
-    _check_no_launch_flags("slurm", args)
     _check_shape(args.nodes, args.gpus_per_node)
     ntasks = _tasks_per_node(args.gpus_per_node, args.ntasks_per_node)
     _check_time(args.time)
@@ -307,7 +296,6 @@ def k8s_command(cfg: Config, args) -> int:
     """Print a Kubeflow PyTorchJob manifest for N pods x G GPUs."""
     import yaml
 
-    _check_no_launch_flags("k8s", args)
     _check_shape(args.nodes, args.gpus_per_node)
     _check_name(
         "--name",

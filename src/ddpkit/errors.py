@@ -30,3 +30,13 @@ class Preempted(Exception):
     """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing."""
 
     exit_code = 3
+
+
+def first_line(e: BaseException | str, limit: int = 200, joined: bool = False) -> str:
+    """The first line of an exception's message (or the whole message on one line when `joined`), at most
+    `limit` characters; the exception's type name when it has no message."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__ if isinstance(e, BaseException) else ""
+    line = " ".join(text.split()) if joined else text.splitlines()[0]
+    return line if len(line) <= limit else line[:limit] + " ..."

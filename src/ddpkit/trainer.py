@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import time
@@ -17,7 +16,7 @@ import torch.nn as nn
 from ddpkit import config as config_mod
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.config import Config
-from ddpkit.distributed.comm import (
+from ddpkit.distributed.collectives import (
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -31,27 +30,11 @@ from ddpkit.distributed.comm import (
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.strategy import build_strategy
-from ddpkit.errors import Preempted, UserError
+from ddpkit.errors import Preempted, UserError, first_line
 from ddpkit.metrics import RunLog, RunningSums, read_metrics
 
 # How often (optimizer steps) the ranks agree on whether a stop signal arrived: one scalar all-reduce.
 STOP_CHECK_EVERY = 10
-
-
-def preflight(cfg: Config) -> None:
-    """Checks that run before any worker starts or any file is written (CONTRACT.md §5)."""
-    from ddpkit import data, models
-
-    out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out_dir '{out}' exists and is not a folder", "choose another out_dir")
-    data.check_available(cfg)
-    models.check_arch(cfg)
-    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_file():
-        raise UserError(
-            f"checkpoint.resume '{cfg.checkpoint.resume}' does not exist",
-            "use auto, none or a checkpoint file",
-        )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -148,7 +131,7 @@ class Trainer:
             cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
         )
         accum = cfg.train.grad_accum_steps
-        self.steps_per_epoch = self.train_loader.sampler.steps_per_epoch // accum
+        self.steps_per_epoch = self.train_loader.sampler.micro_batches_per_epoch // accum
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
@@ -226,7 +209,7 @@ class Trainer:
         try:
             self.strategy.load(self.wrapped, self.optimizer, state["model"], state.get("optimizer"))
         except (RuntimeError, KeyError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            first = first_line(e)
             raise UserError(
                 f"checkpoint '{path}' does not fit this model: {first}",
                 "resume with the config it was trained with, or checkpoint.resume=none",
@@ -524,60 +507,4 @@ def _dummy_input(loader, device: torch.device) -> torch.Tensor:
     return x.unsqueeze(0).to(device)
 
 
-def train_command(cfg: Config, args, ctx: DistContext) -> int:
-    """`ddpkit train`."""
-    heartbeat = Heartbeat.current(ctx)
-    try:
-        with explain_comm_failures(ctx, heartbeat, lambda: 0):  # set-up collectives (DDP's broadcast, ...)
-            trainer = Trainer(cfg, ctx)
-        trainer.fit()
-    finally:
-        heartbeat.close()
-    return 0
-
-
-def eval_command(cfg: Config, args, ctx: DistContext) -> int:
-    """`ddpkit eval`: score checkpoint.path on the validation set; the JSON line is rank 0's last stdout line."""
-    from ddpkit import data, models
-
-    if not cfg.checkpoint.path:
-        raise UserError(
-            "ddpkit eval needs checkpoint.path", "add checkpoint.path=runs/NAME/checkpoints/best.pt"
-        )
-    state = load_checkpoint(cfg.checkpoint.path, map_location="cpu")
-    # The checkpoint's own config says which model and data it was trained on; command-line keys still win.
-    if isinstance(state.get("config"), dict):
-        cfg = config_mod.load_config(args.config, args.overrides, base=state["config"])
-    _, val_set, spec = data.build_datasets(cfg)
-    seed_model_init(cfg.seed)
-    model = models.build_model(
-        cfg, cfg.model.num_classes or spec.num_classes, spec.in_channels, spec.image_size
-    )
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0][:200]
-        raise UserError(
-            f"checkpoint '{cfg.checkpoint.path}' does not fit model.arch={cfg.model.arch}: {first}",
-            "pass the model.* settings it was trained with",
-        ) from None
-    model = models.prepare_model(model, cfg, ctx.device, distributed=False)
-    loader = data.eval_loader(
-        val_set,
-        cfg.eval.batch_size or cfg.train.batch_size,
-        num_workers=cfg.data.num_workers,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-    )
-    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.amp]
-    autocast = (lambda: torch.autocast(ctx.device.type, dtype=amp)) if amp else contextlib.nullcontext
-    result = evaluate(model, loader, ctx.device, autocast=autocast, channels_last=cfg.model.channels_last)
-    if ctx.is_main:
-        print(
-            json.dumps({**result, "checkpoint": str(cfg.checkpoint.path), "world_size": ctx.world_size}),
-            flush=True,
-        )
-    return 0
-
-
-__all__ = ["Trainer", "evaluate", "train_command", "eval_command", "preflight"]
+__all__ = ["Trainer", "evaluate"]

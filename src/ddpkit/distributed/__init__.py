@@ -1,6 +1,6 @@
 """The distributed runtime: launcher detection, process-group setup, launching, collectives helpers."""
 
-from ddpkit.distributed.comm import (
+from ddpkit.distributed.collectives import (
     all_gather_object,
     all_reduce_mean,
     all_reduce_sum,

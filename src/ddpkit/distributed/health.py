@@ -124,7 +124,7 @@ def stop_heartbeat() -> None:
 @contextlib.contextmanager
 def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) -> Iterator[None]:
     """Turn a failed collective into a WorkerFailure naming the rank(s) that fell behind and the step."""
-    from ddpkit.errors import WorkerFailure
+    from ddpkit.errors import WorkerFailure, first_line
 
     try:
         yield
@@ -132,7 +132,7 @@ def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) ->
         text = str(e).strip()
         if ctx.world_size == 1 or not any(w in text.lower() for w in COMM_FAILURE_WORDS):
             raise
-        first = (text.splitlines() or [type(e).__name__])[0][:160]
+        first = first_line(e, limit=160)
         why = heartbeat.diagnose()
         raise WorkerFailure(
             f"rank {ctx.rank} gave up on a collective at step {step()} ({first})"

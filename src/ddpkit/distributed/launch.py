@@ -16,11 +16,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ddpkit.errors import Preempted, UserError, WorkerFailure
+from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
 
 PREEMPTED_EXIT = Preempted.exit_code
 
-# Flags that start workers; each takes a value. Workers get the command line without them.
+# Every launch flag (each takes a value); the first group starts workers, and workers get the command line
+# without those.
 STARTER_FLAGS = frozenset(
     {
         "--nproc-per-node",
@@ -36,6 +37,7 @@ STARTER_FLAGS = frozenset(
         "--rdzv-timeout",
     }
 )
+LAUNCH_FLAGS = STARTER_FLAGS | {"--init-method", "--rank", "--world-size"}
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
 def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exception:
     """A failed rendezvous -> a UserError saying what went wrong; any other exception unchanged."""
     name = type(e).__name__
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else name
+    msg = first_line(e, limit=1000)
     low = msg.lower()
     if "connect" in low and (
         "timed out" in low or "failed to connect" in low
@@ -237,10 +239,8 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     return e
 
 
-def launch_elastic(
-    spec: LaunchSpec, argv: Sequence[str], entrypoint_args: Sequence[str] | None = None
-) -> None:
-    """Run `python -m ddpkit ARGV` (or `python ENTRYPOINT_ARGS`) on nproc_per_node workers via torch's elastic agent."""
+def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
+    """Run `python PYTHON_ARGS` on nproc_per_node workers per node via torch's elastic agent (as torchrun does)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -282,8 +282,7 @@ def launch_elastic(
         logging.INFO if os.environ.get("DDPKIT_DEBUG") else logging.ERROR
     )
     try:
-        args = list(entrypoint_args) if entrypoint_args is not None else ["-u", "-m", "ddpkit", *argv]
-        elastic_launch(config, sys.executable)(*args)
+        elastic_launch(config, sys.executable)(*python_args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes and all(c == PREEMPTED_EXIT for c in codes.values()):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.env import DistEnv, detect_env
 from ddpkit.distributed.health import stop_heartbeat
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def init_distributed(
                 backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
             )
         except (RuntimeError, ValueError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             where = f"{env.master_addr}:{env.master_port}" if env.init_method == "env://" else env.init_method
             raise UserError(
                 f"rank {env.rank} could not join the process group at {where} ({first})",

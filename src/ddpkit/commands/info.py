@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ddpkit.distributed.comm import gather_object
+from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import DistContext, hostname
 
 

@@ -1,0 +1,73 @@
+"""The command registry: one small `Command` per `ddpkit CMD`; adding a command is one module and one entry here.
+
+A command's module (named by `entry`) may also define `add_flags(parser)` (its own flags) and `preflight(cfg)`
+(checks that run before any worker starts or any file is written).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `ddpkit CMD`.
+
+    config: which KEY=VALUE settings it takes (`train`: the whole config and -c FILE; `dist`: dist.* only;
+    `none`: none). mode: `group` runs on every rank of a process group (launch flags apply) and is called as
+    fn(cfg, args, ctx); `local` runs here, once, as fn(cfg, args); `script` parses its own command line, fn(argv).
+    """
+
+    name: str
+    help: str
+    entry: str  # "module:function"
+    config: Literal["train", "dist", "none"] = "train"
+    mode: Literal["group", "local", "script"] = "group"
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.entry.split(":")[0])
+
+    @property
+    def function(self) -> Any:
+        return getattr(self.module, self.entry.split(":")[1])
+
+
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        Command(
+            "train",
+            "train a model (the default recipe: digits, built-in CNN)",
+            "ddpkit.commands.train:train_command",
+        ),
+        Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
+        Command(
+            "info",
+            "one line per rank: rank, local_rank, world_size, host, backend, device",
+            "ddpkit.commands.info:info_command",
+            config="dist",
+        ),
+        Command(
+            "comm",
+            "check every collective and measure bandwidth",
+            "ddpkit.commands.comm:comm_command",
+            config="dist",
+        ),
+        Command(
+            "slurm",
+            "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
+            "ddpkit.cluster:slurm_command",
+            mode="local",
+        ),
+        Command(
+            "k8s",
+            "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
+            "ddpkit.cluster:k8s_command",
+            mode="local",
+        ),
+    )
+}

@@ -1,0 +1,40 @@
+"""`ddpkit train`: the Trainer on every rank, after the checks that can fail before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpkit.config import Config
+from ddpkit.distributed.health import Heartbeat, explain_comm_failures
+from ddpkit.distributed.runtime import DistContext
+from ddpkit.errors import UserError
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that run before any worker starts or any file is written."""
+    from ddpkit import data, models
+
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out_dir '{out}' exists and is not a folder", "choose another out_dir")
+    data.check_available(cfg)
+    models.check_arch(cfg)
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_file():
+        raise UserError(
+            f"checkpoint.resume '{cfg.checkpoint.resume}' does not exist",
+            "use auto, none or a checkpoint file",
+        )
+
+
+def train_command(cfg: Config, args, ctx: DistContext) -> int:
+    """`ddpkit train`."""
+    from ddpkit.trainer import Trainer
+
+    heartbeat = Heartbeat.current(ctx)
+    try:
+        with explain_comm_failures(ctx, heartbeat, lambda: 0):  # set-up collectives (DDP's broadcast, ...)
+            trainer = Trainer(cfg, ctx)
+        trainer.fit()
+    finally:
+        heartbeat.close()
+    return 0
