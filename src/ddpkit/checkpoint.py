@@ -15,6 +15,7 @@ import torch
 from ddpkit.errors import UserError, first_line
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
+TRAIN_KEYS = ("model", "epoch", "step")  # what every `ddpkit train` checkpoint holds
 
 
 def _fsync_dir(path: Path) -> None:
@@ -30,6 +31,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux allows (/proc), else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
     """write(fh) into a temporary file in path's folder, fsync, rename over path: readers never see half a file.
 
@@ -39,6 +54,7 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file is the user's, as open() would make it
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -72,8 +88,14 @@ def _place(src: Path, dst: Path) -> None:
     _atomic_write(dst, copy)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """torch.load with weights_only=True (a file from elsewhere cannot run code); UserError when unreadable."""
+def load_checkpoint(
+    path: str | os.PathLike, map_location: Any = "cpu", require: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """torch.load with weights_only=True (a file from elsewhere cannot run code): whatever save_checkpoint wrote.
+
+    UserError when the file is unreadable, or when `require` names entries it lacks (a `model` entry must be a
+    state dict: names to tensors).
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint '{path}' does not exist", "check checkpoint.path / checkpoint.resume")
@@ -84,10 +106,21 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         raise UserError(
             f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint"
         ) from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise UserError(
-            f"checkpoint '{path}' holds no 'model' entry", "point to a checkpoint written by ddpkit train"
-        )
+    if require:
+        missing = [k for k in require if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise UserError(
+                f"checkpoint '{path}' holds no {', '.join(repr(k) for k in missing)} entry",
+                "point to a checkpoint written by ddpkit train",
+            )
+        model = state.get("model")
+        if "model" in require and not (
+            isinstance(model, dict) and model and all(isinstance(v, torch.Tensor) for v in model.values())
+        ):
+            raise UserError(
+                f"checkpoint '{path}' has a 'model' entry that is not a state dict of tensors",
+                "point to a checkpoint written by ddpkit train",
+            )
     return state
 
 
@@ -138,7 +171,7 @@ class CheckpointDir:
             if not path.exists():
                 continue
             try:
-                return path, load_checkpoint(path)
+                return path, load_checkpoint(path, require=TRAIN_KEYS)
             except UserError as e:
                 warn(f"ddpkit: warning: {e.what}; falling back to an older checkpoint")
         return None

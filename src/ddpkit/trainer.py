@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit.checkpoint import CheckpointDir, load_checkpoint
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
     all_gather_object,
@@ -200,12 +200,12 @@ class Trainer:
                 found = self.ckpt.newest_complete(warn=self.log.info)
                 path = str(found[0]) if found else None
             else:
-                load_checkpoint(choice)  # fail here, once, with a clear message
+                load_checkpoint(choice, require=TRAIN_KEYS)  # fail here, once, with a clear message
                 path = choice
         path = broadcast_object(path)
         if path is None:
             return
-        state = load_checkpoint(path, map_location="cpu")
+        state = load_checkpoint(path, map_location="cpu", require=TRAIN_KEYS)
         try:
             self.strategy.load(self.wrapped, self.optimizer, state["model"], state.get("optimizer"))
         except (RuntimeError, KeyError, ValueError) as e:

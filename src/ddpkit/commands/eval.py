@@ -25,7 +25,7 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
         raise UserError(
             "ddpkit eval needs checkpoint.path", "add checkpoint.path=runs/NAME/checkpoints/best.pt"
         )
-    state = load_checkpoint(cfg.checkpoint.path, map_location="cpu")
+    state = load_checkpoint(cfg.checkpoint.path, map_location="cpu", require=("model",))
     # The checkpoint's own config says which model and data it was trained on; command-line keys still win.
     if isinstance(state.get("config"), dict):
         cfg = config_mod.load_config(args.config, args.overrides, base=state["config"])
