@@ -54,7 +54,9 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file is the user's, as open() would make it
+        os.fchmod(
+            fd, 0o666 & ~_umask()
+        )  # mkstemp makes 0600; the file is the user's, as open() would make it
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

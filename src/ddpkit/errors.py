@@ -27,9 +27,16 @@ class WorkerFailure(Exception):
 
 
 class Preempted(Exception):
-    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing."""
+    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing.
+
+    `signum`: the signal the launcher itself received, when that is what stopped the workers.
+    """
 
     exit_code = 3
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
 
 
 def first_line(e: BaseException | str, limit: int = 200, joined: bool = False) -> str:

@@ -46,6 +46,13 @@ COMMANDS: dict[str, Command] = {
         ),
         Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
         Command(
+            "run",
+            "run your own script (torchrun-style) unchanged under any launcher: ddpkit run [flags] SCRIPT.py",
+            "ddpkit.commands.run:run_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
             "info",
             "one line per rank: rank, local_rank, world_size, host, backend, device",
             "ddpkit.commands.info:info_command",

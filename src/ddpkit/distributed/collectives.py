@@ -1,12 +1,15 @@
-"""Small collective helpers the trainer, the examples and `ddpkit comm` share.
+"""Small collective helpers the trainer, the examples and users' scripts share.
 
 Every helper works without an initialised process group too (a single process), so user code calls them
-unconditionally.
+unconditionally. But no helper falls back to one process silently: when a launcher says this process is one of
+several (WORLD_SIZE=4, ...) and no process group exists, it raises a UserError saying to call
+`ddpkit.init_distributed()` first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import zlib
 from collections.abc import Iterator
@@ -16,17 +19,74 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpkit.errors import UserError
+
+# What each launcher sets in every process of a job of several (never in a Slurm batch script's own shell).
+LAUNCHED_WORLD_VARS = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+class _Ended:
+    """Who this process was in the process group that ddpkit.shutdown() destroyed (None: no group ended)."""
+
+    rank_world: tuple[int, int] | None = None
+
+
+def launched_world() -> tuple[str, int] | None:
+    """(variable, size) when a launcher says this process is one of several, else None."""
+    for var in LAUNCHED_WORLD_VARS:
+        raw = os.environ.get(var, "").strip()
+        if raw.isdigit() and int(raw) > 1:
+            return var, int(raw)
+    return None
+
+
+def group_ended(rank: int, world_size: int) -> None:
+    """Remember who this process was, for the helpers called after the group is destroyed."""
+    _Ended.rank_world = (rank, world_size)
+
+
+def _no_group() -> None:
+    launched = launched_world()
+    if launched is not None:
+        var, n = launched
+        raise UserError(
+            f"{var}={n} says this process is one of {n}, but no process group is initialised",
+            "call ddpkit.init_distributed() (or ddpkit.prepare) first: without it every process would run alone",
+        )
+
 
 def is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """True inside an initialised process group; False for a single process; UserError when a launcher
+    started several processes but no group was made (or it was already shut down)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if _Ended.rank_world is not None and _Ended.rank_world[1] > 1:
+        raise UserError(
+            "a collective was called after ddpkit.shutdown() destroyed the process group",
+            "call collectives (barrier, reductions, gathers, checkpoints) before shutdown()",
+        )
+    _no_group()
+    return False
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_dist() else 0
+    """This process's rank (0 in a single process; the last rank after shutdown())."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if _Ended.rank_world is not None:
+        return _Ended.rank_world[0]
+    _no_group()
+    return 0
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if is_dist() else 1
+    """The number of processes (1 in a single process; the last world size after shutdown())."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if _Ended.rank_world is not None:
+        return _Ended.rank_world[1]
+    _no_group()
+    return 1
 
 
 def is_main_process() -> bool:
@@ -58,6 +118,11 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _like(value: Any, total: float) -> Any:
+    """A sum of integers stays an integer."""
+    return int(total) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else total
+
+
 def all_reduce_sum(value: Any) -> Any:
     """Sum a tensor, a number, or a list/tuple of numbers over all ranks (returns a new value)."""
     if isinstance(value, torch.Tensor):
@@ -69,11 +134,10 @@ def all_reduce_sum(value: Any) -> Any:
         return out
     if isinstance(value, (list, tuple)):
         t = torch.tensor([float(v) for v in value], dtype=torch.float64)
-        return type(value)(all_reduce_sum(t).tolist())
+        sums = all_reduce_sum(t).tolist()
+        return type(value)(_like(v, s) for v, s in zip(value, sums, strict=True))
     if isinstance(value, (int, float, np.number, bool)):
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        s = all_reduce_sum(t).item()
-        return int(s) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else s
+        return _like(value, all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64)).item())
     raise TypeError(
         f"all_reduce_sum takes a tensor, a number or a list of numbers, not {type(value).__name__}"
     )
@@ -106,6 +170,30 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     out: list[Any] | None = [None] * get_world_size() if get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
     return out
+
+
+def gather(value: Any) -> Any:
+    """Every rank's `value` joined in rank order, on every rank: tensors along dim 0 (sizes may differ per rank,
+    other dims must match), lists concatenated.
+
+    With ddpkit's evaluation loaders (contiguous shards in rank order) the result is in data set order, every
+    sample exactly once.
+    """
+    if isinstance(value, torch.Tensor):
+        if not is_dist():
+            return value
+        device = _comm_device()
+        local = value.detach().to(device)
+        sizes = all_gather_object(int(local.shape[0]) if local.dim() else 1)
+        local = local.reshape(-1, *local.shape[1:]) if local.dim() else local.reshape(1)
+        padded = torch.zeros((max(sizes), *local.shape[1:]), dtype=local.dtype, device=device)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(value.device)
+    if isinstance(value, (list, tuple)):
+        return [item for part in all_gather_object(list(value)) for item in part]
+    raise TypeError(f"gather takes a tensor or a list, not {type(value).__name__}")
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -316,6 +316,52 @@ def manual_env(init_method: str, rank: int | None, world_size: int | None) -> Di
     )
 
 
+def explicit_env(
+    rank: int | None, world_size: int | None, environ: Mapping[str, str] | None = None
+) -> DistEnv:
+    """A DistEnv from a rank and world size given in code (as mp.spawn scripts pass them to init_process_group);
+    master address and port from MASTER_ADDR / MASTER_PORT when set."""
+    environ = os.environ if environ is None else environ
+    if rank is None or world_size is None:
+        raise UserError(
+            "init_distributed(rank=..., world_size=...) needs both",
+            "pass both, or neither to detect the launcher",
+        )
+    local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
+    local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world_size
+    _check_ranks(rank, world_size, local_rank, local_world, "rank=/world_size=")
+    if world_size == 1:
+        return DistEnv()
+    port = (
+        _check_port(_int(environ, "MASTER_PORT"), "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT
+    )
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        node_rank=rank // max(local_world, 1),
+        num_nodes=max(1, -(-world_size // max(local_world, 1))),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=port,
+        launcher="manual",
+    )
+
+
+def torch_variables(env: DistEnv) -> dict[str, str]:
+    """The variables torchrun gives a worker, from a DistEnv (what `ddpkit run` hands a user's script)."""
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(env.num_nodes),
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(env.master_port),
+    }
+
+
 def replace_launcher(env: DistEnv, launcher: str) -> DistEnv:
     from dataclasses import replace
 

@@ -13,8 +13,8 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
 
@@ -92,8 +92,42 @@ def add_launch_flags(parser) -> None:
     g.add_argument("--world-size", type=int, metavar="W", help="number of processes (with --init-method)")
 
 
-def spec_from_args(args) -> LaunchSpec:
-    """Validate the launch flags into a LaunchSpec."""
+def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
+    """Under srun with one task per node (`srun -N 2 --ntasks-per-node 1 ddpkit ... --nnodes 2`), each task is
+    one node's agent: node 0 is the first host of the node list, this node's rank is SLURM_NODEID, the port is
+    derived from the job id unless MASTER_PORT is set."""
+    from ddpkit.distributed.env import expand_nodelist, slurm_port
+
+    nodes_var = next(
+        (v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if v in environ), None
+    )
+    if (
+        spec.nnodes == 1
+        or spec.master_addr
+        or spec.rdzv_endpoint
+        or nodes_var is None
+        or "SLURM_PROCID" not in environ
+    ):
+        return spec
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+    if tasks.strip() != str(spec.nnodes):
+        raise UserError(
+            f"--nnodes {spec.nnodes} under srun needs one task per node, this step has {tasks} task(s)",
+            f"run it as `srun -N {spec.nnodes} --ntasks-per-node 1 ddpkit ...`, or drop the launch flags "
+            "to have one Slurm task per rank",
+        )
+    job = environ.get("SLURM_JOB_ID", "0") + "." + environ.get("SLURM_STEP_ID", "0")
+    port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else slurm_port(job)
+    return replace(
+        spec,
+        master_addr=expand_nodelist(environ[nodes_var])[0],
+        master_port=spec.master_port or port,
+        node_rank=int(environ.get("SLURM_NODEID", "0")),
+    )
+
+
+def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec:
+    """Validate the launch flags into a LaunchSpec (under srun, node 0 and this node's rank come from Slurm)."""
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
@@ -142,6 +176,7 @@ def spec_from_args(args) -> LaunchSpec:
         )
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {spec.max_restarts}", "use e.g. --max-restarts 3")
+    spec = _slurm_agents(spec, os.environ if environ is None else environ)
     if spec.nnodes > 1 and not spec.master_addr and not spec.rdzv_endpoint:
         raise UserError(
             "--nnodes > 1 needs the address of node 0",
@@ -186,7 +221,8 @@ def _set_thread_env(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _signal_name(code: int) -> str:
+def describe_exit(code: int) -> str:
+    """`exit code 3` or `killed by SIGKILL` for a process's exit status (negative: the signal)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -196,10 +232,13 @@ def _signal_name(code: int) -> str:
 
 
 def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
-    ranks = ", ".join(f"rank {r} ({_signal_name(c)})" for r, c in sorted(failures.items()))
+    ranks = ", ".join(f"rank {r} ({describe_exit(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
     err = WorkerFailure(f"worker {ranks} failed{after}")
-    err.exit_code = 2 if failures and all(c == 2 for c in failures.values()) else 1
+    codes = set(failures.values())
+    # The workers' own status when they agree on one (2: they all met a user error and said so; a script's code
+    # under `ddpkit run`), else 1.
+    err.exit_code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
     return err
 
 
@@ -294,7 +333,8 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
         SignalException
     ) as e:  # the launcher itself got SIGTERM/SIGINT: workers were asked to stop and checkpoint
         raise Preempted(
-            f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)"
+            f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)",
+            signum=int(e.sigval),
         ) from None
     except Exception as e:  # rendezvous failures: a node that never came, a port in use, ...
         err = _rendezvous_error(e, spec, endpoint)

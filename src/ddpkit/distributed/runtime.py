@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import DistEnv, detect_env
+from ddpkit.distributed.collectives import group_ended
+from ddpkit.distributed.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
 from ddpkit.distributed.health import stop_heartbeat
 from ddpkit.errors import UserError, first_line
 
@@ -76,55 +77,93 @@ _CONTEXT: DistContext | None = None
 
 
 def init_distributed(
-    backend: str = "auto", device: str = "auto", timeout_s: float = 600.0, env: DistEnv | None = None
+    backend: str = "auto",
+    device: str = "auto",
+    timeout_s: float = 600.0,
+    env: DistEnv | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
 ) -> DistContext:
     """Join whatever launcher started this process (or none) and return the DistContext.
 
-    Safe to call again: a second call returns the first context.
+    `rank`/`world_size` (and optionally `init_method`, tcp:// or file://) say it in code instead, as the tutorials'
+    mp.spawn scripts do. Safe to call again: a later call returns the first context; a process group the caller
+    made with init_process_group is adopted.
     """
     global _CONTEXT
-    if _CONTEXT is not None and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
+        if _CONTEXT is None:
+            _CONTEXT = _adopt()
         return _CONTEXT
-    env = env or detect_env()
+    if env is None:
+        if init_method is not None:
+            env = manual_env(init_method, rank, world_size)
+        elif rank is not None or world_size is not None:
+            env = explicit_env(rank, world_size)
+        else:
+            env = detect_env()
+            _refuse_a_lonely_child(env)
     backend, dev = resolve_device_backend(env, backend, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if env.distributed and not dist.is_initialized():
-        kwargs = {}
-        if env.init_method.startswith("env://"):
-            # Make env:// see exactly what was detected, whatever the launcher called it.
-            os.environ.update(
-                MASTER_ADDR=env.master_addr,
-                MASTER_PORT=str(env.master_port),
-                RANK=str(env.rank),
-                WORLD_SIZE=str(env.world_size),
-                LOCAL_RANK=str(env.local_rank),
-                LOCAL_WORLD_SIZE=str(env.local_world_size),
-            )
-        if dev.type == "cuda":
-            kwargs["device_id"] = dev
-        timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            store = _attempt_store(env, timeout)
-            if store is not None:
-                kwargs["store"] = store
-            else:
-                kwargs["init_method"] = env.init_method
-            dist.init_process_group(
-                backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
-            )
-        except (RuntimeError, ValueError, OSError) as e:
-            first = first_line(e)
-            where = f"{env.master_addr}:{env.master_port}" if env.init_method == "env://" else env.init_method
-            raise UserError(
-                f"rank {env.rank} could not join the process group at {where} ({first})",
-                "check that every rank uses the same master address and port and that it is reachable",
-            ) from None
-        for handler in (_drain_at_exit, shutdown):  # last in, first out: shutdown, then the drain
-            atexit.unregister(handler)  # once each, however often the group is made again
-            atexit.register(handler)
+    if env.distributed:
+        _init_group(env, backend, dev, timeout_s)
     _CONTEXT = DistContext(env=env, backend=backend, device=dev)
     return _CONTEXT
+
+
+def _refuse_a_lonely_child(env: DistEnv) -> None:
+    """A process that multiprocessing started (mp.spawn's workers) with no launcher variables would otherwise
+    run as world size 1, each worker training alone on everything."""
+    import multiprocessing
+
+    if env.launcher == "none" and multiprocessing.parent_process() is not None:
+        raise UserError(
+            "init_distributed() was called in a process started by multiprocessing (e.g. mp.spawn), but nothing "
+            "says which rank it is: every such process would run alone as world size 1",
+            "pass rank= and world_size= (as mp.spawn scripts pass them to init_process_group), start the "
+            "function with ddpkit.launch(fn, nprocs=N), or pass world_size=1 to run it alone",
+        )
+
+
+def _adopt() -> DistContext:
+    """The context of a process group made outside ddpkit (init_process_group called by the user)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    backend = dist.get_backend()
+    env = DistEnv(rank=rank, local_rank=local, world_size=world, local_world_size=world, launcher="external")
+    dev = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    return DistContext(env=env, backend=backend, device=dev)
+
+
+def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float) -> None:
+    kwargs: dict = {}
+    if env.init_method.startswith("env://"):
+        # Make env:// see exactly what was detected, whatever the launcher called it.
+        os.environ.update(torch_variables(env))
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = _attempt_store(env, timeout)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = env.init_method
+        dist.init_process_group(
+            backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
+        )
+    except (RuntimeError, ValueError, OSError) as e:
+        where = f"{env.master_addr}:{env.master_port}" if env.init_method == "env://" else env.init_method
+        raise UserError(
+            f"rank {env.rank} could not join the process group at {where} ({first_line(e)})",
+            "check that every rank uses the same master address and port and that it is reachable",
+        ) from None
+    for handler in (_drain_at_exit, shutdown):  # last in, first out: shutdown, then the drain
+        atexit.unregister(handler)  # once each, however often the group is made again
+        atexit.register(handler)
 
 
 def _attempt_store(env: DistEnv, timeout: datetime.timedelta):
@@ -152,6 +191,7 @@ def shutdown() -> None:
     global _CONTEXT
     stop_heartbeat()  # its thread uses the group's store
     if dist.is_available() and dist.is_initialized():
+        group_ended(dist.get_rank(), dist.get_world_size())
         try:
             dist.destroy_process_group()
         except Exception:  # teardown after a failure must not mask the failure

@@ -30,8 +30,9 @@ class Strategy:
 
     name = "single"
 
-    def __init__(self, ctx: DistContext):
+    def __init__(self, ctx: DistContext, ddp_options: dict | None = None):
         self.ctx = ctx
+        self.ddp_options = dict(ddp_options or {})  # DistributedDataParallel's own keyword arguments
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module to call forward/backward on."""
@@ -96,7 +97,7 @@ class DDPStrategy(Strategy):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
+        return DDP(model, device_ids=ids, **self.ddp_options)
 
     def sync_context(self, wrapped: nn.Module, sync: bool):
         return contextlib.nullcontext() if sync else wrapped.no_sync()
@@ -178,8 +179,8 @@ class FSDPStrategy(Strategy):
             set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
 
 
-def build_strategy(name: str, ctx: DistContext) -> Strategy:
-    """The Strategy for dist.strategy (after `auto` is resolved)."""
+def build_strategy(name: str, ctx: DistContext, ddp_options: dict | None = None) -> Strategy:
+    """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel."""
     name = resolve_strategy(name, ctx.world_size)
     if name in ("ddp", "zero1", "fsdp") and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
@@ -189,4 +190,4 @@ def build_strategy(name: str, ctx: DistContext) -> Strategy:
         "ddp": DDPStrategy,
         "zero1": Zero1Strategy,
         "fsdp": FSDPStrategy,
-    }[name](ctx)
+    }[name](ctx, ddp_options)

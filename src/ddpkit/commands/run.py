@@ -1,0 +1,136 @@
+"""`ddpkit run [launch flags] SCRIPT.py [args]` / `ddpkit run [launch flags] -m MODULE [args]`: a user's own
+script, unchanged, as torchrun would run it — under every launcher.
+
+- With launch flags that start workers (--nproc-per-node, --nnodes, ...) torch's elastic agent starts them with
+  torchrun's variables (or torch.multiprocessing.spawn with --launcher spawn runs the script in each worker).
+- Without them, this process is one rank of whatever started it (srun, mpirun, torchrun, the Kubeflow operator,
+  or nothing: one process): ddpkit sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR
+  and MASTER_PORT from the launcher's own variables and replaces itself with the script (exec), so the script's
+  output, signals and exit code are its own.
+Everything after SCRIPT (or -m MODULE) belongs to the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from ddpkit.errors import Preempted, UserError, WorkerFailure
+
+USAGE = (
+    "ddpkit run [launch flags] SCRIPT.py [script args ...]  |  ddpkit run [launch flags] -m MODULE [args ...]"
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ddpkit.cli import _Parser
+    from ddpkit.distributed.launch import add_launch_flags
+
+    p = _Parser(
+        prog="ddpkit run",
+        usage=USAGE,
+        description="Run your own training script as torchrun would, under any launcher; it gets RANK, "
+        "LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT.",
+    )
+    add_launch_flags(p)
+    return p
+
+
+def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
+    from ddpkit.distributed.launch import LAUNCH_FLAGS
+
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            i += 1
+        elif a == "-m":
+            if i + 1 >= len(argv):
+                raise UserError("ddpkit run -m needs a module name", USAGE)
+            return argv[:i], argv[i:]
+        elif a.split("=", 1)[0] in LAUNCH_FLAGS:
+            i += 1 if "=" in a else 2
+        elif a.startswith("-"):
+            raise UserError(f"ddpkit run: unknown flag '{a}' before the script", f"usage: {USAGE}")
+        else:
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def _check_target(target: list[str]) -> None:
+    if not target:
+        raise UserError("ddpkit run needs a script to run", f"usage: {USAGE}")
+    if target[0] != "-m":
+        script = target[0]
+        if not os.path.exists(script):
+            raise UserError(f"script '{script}' does not exist", "check the path (relative to this folder)")
+        if os.path.isdir(script):
+            raise UserError(f"script '{script}' is a folder", "give a .py file, or -m PACKAGE.MODULE")
+
+
+def run_python(target: list[str]) -> int:
+    """Run `python TARGET` inside this process (a spawned worker): the script as __main__, its exit status."""
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exec(target: list[str]) -> None:
+    """Become `python -u TARGET` with torchrun's variables for this rank (never returns)."""
+    from ddpkit.distributed.env import detect_env, torch_variables
+    from ddpkit.distributed.launch import free_port
+
+    env = detect_env()
+    variables = torch_variables(env)
+    if env.launcher == "none":  # one process, as `torchrun --nproc-per-node 1` would run it
+        variables["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
+    os.environ.update(variables)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-u", *target])
+
+
+def run_command(argv: Sequence[str]) -> int:
+    """`ddpkit run`: parse, then start workers or become the script."""
+    from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args
+
+    flags, target = split(argv)
+    args = _parser().parse_args(flags)
+    spec = spec_from_args(args)
+    if spec.init_method is not None:
+        raise UserError(
+            "ddpkit run does not take --init-method: a script reads the rendezvous from MASTER_ADDR/MASTER_PORT",
+            "start each rank with MASTER_ADDR=HOST MASTER_PORT=PORT RANK=R WORLD_SIZE=W ddpkit run SCRIPT",
+        )
+    _check_target(target)
+    if not spec.starts_workers:
+        _exec(target)
+    try:
+        if spec.launcher == "spawn":
+            launch_spawn(spec, target, run_python)
+        else:
+            launch_elastic(spec, ["-u", *target])
+    except Preempted as e:
+        if e.signum is not None:  # this launcher was signalled: the script's workers were stopped
+            return 128 + e.signum
+        return Preempted.exit_code
+    except WorkerFailure as e:
+        print(f"ddpkit: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    return 0

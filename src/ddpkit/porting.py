@@ -1,0 +1,127 @@
+"""`ddpkit.prepare`: a user's own model, optimizer and DataLoaders in, ready for this process out.
+
+    model, optimizer, train_loader, val_loader = ddpkit.prepare(model, optimizer, train_loader, val_loader)
+
+The model goes to this rank's device and is wrapped for the strategy (DDP when there are several processes,
+as is with one); a shuffled DataLoader becomes a sharded training loader (the global order of torch's
+DistributedSampler, set_epoch automatic), an unshuffled one an exact evaluation loader (every sample once over
+all ranks); every other DataLoader argument is kept. Without a launcher it is one process and the objects come
+back on the right device, unwrapped: the same script runs as `python script.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddpkit.data.loaders import DistributedLoader, convert_loader
+from ddpkit.distributed.runtime import DistContext, current, init_distributed
+from ddpkit.distributed.strategy import Strategy, build_strategy
+from ddpkit.errors import UserError
+
+STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's own module inside a DDP / DataParallel / torch.compile wrapper (what to save and load)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _context() -> DistContext:
+    return current() or init_distributed()
+
+
+def _sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
+    from ddpkit.distributed.sync_bn import convert_gloo_sync_batchnorm
+
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return convert_gloo_sync_batchnorm(model)
+
+
+def _rebuilt_optimizer(
+    strategy: Strategy, model: nn.Module, before: list[nn.Parameter], old: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """The user's optimizer made again over the wrapped model's parameters (zero1 shards its state, fsdp
+    replaces the parameters): same class, same hyperparameters, same parameter groups."""
+    if old.state:
+        raise UserError(
+            f"ddpkit.prepare(strategy='{strategy.name}') needs a fresh optimizer, this one has taken steps",
+            "call prepare() before training, or load the optimizer state after it",
+        )
+    after = list(model.parameters())  # the same order as `before`, wrapped or sharded
+    position = {id(p): i for i, p in enumerate(before)}
+    held = [p for g in old.param_groups for p in g["params"]]
+    if len(after) != len(before) or any(id(p) not in position for p in held):
+        raise UserError(
+            "ddpkit.prepare: the optimizer holds parameters that are not the model's",
+            "build the optimizer from model.parameters() before prepare()",
+        )
+    groups = []
+    for g in old.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [after[position[id(p)]] for p in g["params"]]})
+
+    def factory(_model: nn.Module) -> torch.optim.Optimizer:
+        return type(old)(groups, **{k: v for k, v in old.defaults.items() if k not in ("differentiable",)})
+
+    return strategy.build_optimizer(model, factory)
+
+
+def prepare(
+    *objects: Any,
+    strategy: str = "auto",
+    sync_bn: bool = False,
+    seed: int = 0,
+    ddp_options: dict | None = None,
+) -> Any:
+    """Each object ready for this process, returned in the order given (one object: returned alone).
+
+    nn.Module: moved to this rank's device, SyncBatchNorm if `sync_bn` and several processes, wrapped for
+    `strategy` (auto: ddp with several processes, as is with one; single, ddp, zero1, fsdp). Optimizer: kept
+    (re-made over the sharded parameters for zero1/fsdp). DataLoader: re-made as a distributed loader keeping its
+    other arguments (shuffled -> training, unshuffled -> exact evaluation); `seed` seeds the shared shuffle.
+    LR schedulers and anything else: returned as they are. Initialises the process group if nobody did.
+    """
+    if strategy not in STRATEGIES:
+        raise UserError(
+            f"ddpkit.prepare: unknown strategy '{strategy}'", "use one of " + ", ".join(STRATEGIES)
+        )
+    ctx = _context()
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) > 1:
+        raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    chosen = build_strategy(strategy, ctx, ddp_options)
+    out: dict[int, Any] = {}
+    if models:
+        model = models[0].to(ctx.device)
+        if sync_bn and ctx.world_size > 1:
+            model = _sync_bn(model, ctx.device)
+        before = list(model.parameters())
+        out[id(models[0])] = chosen.wrap(model)
+        for opt in optimizers:
+            if chosen.name in ("zero1", "fsdp"):
+                out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
+    elif optimizers and chosen.name in ("zero1", "fsdp"):
+        raise UserError(
+            f"ddpkit.prepare(strategy='{chosen.name}') needs the model too", "pass model and optimizer"
+        )
+    for obj in objects:
+        if isinstance(obj, DataLoader | DistributedLoader):
+            out[id(obj)] = convert_loader(obj, seed=seed, rank=ctx.rank, world_size=ctx.world_size)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
+            raise UserError(
+                f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "
+                "would drive the old one",
+                "create the LR scheduler after prepare(), from the optimizer it returns",
+            )
+    ready = [out.get(id(o), o) for o in objects]
+    return ready[0] if len(ready) == 1 else ready

@@ -1,0 +1,202 @@
+"""`ddpkit run`: a user's own torchrun-style script, unchanged, under ddpkit's launchers (real processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, assert_user_error, cli_env, run_cli
+
+SCRIPTS = REPO / "tests" / "scripts"
+ENV_PROBE = """\
+import json, os, sys
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+sys.stdout.write(json.dumps({"argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}) + "\\n")
+sys.stdout.flush()
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def probe(tmp_path: Path) -> Path:
+    path = tmp_path / "probe.py"
+    path.write_text(ENV_PROBE)
+    return path
+
+
+def records(stdout: str) -> list[dict]:
+    import json
+
+    return sorted(
+        (json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["RANK"]
+    )
+
+
+def test_one_process_gets_torchruns_variables_its_arguments_and_exit_code(tmp_path):
+    proc = run_cli("run", str(probe(tmp_path)), "--lr", "0.1", "-m", "x", env={"PROBE_EXIT": "7"}, timeout=60)
+    assert proc.returncode == 7, proc.stderr
+    (rec,) = records(proc.stdout)
+    assert rec["argv"] == ["--lr", "0.1", "-m", "x"]  # everything after the script is the script's
+    assert (
+        rec["RANK"],
+        rec["LOCAL_RANK"],
+        rec["WORLD_SIZE"],
+        rec["LOCAL_WORLD_SIZE"],
+        rec["GROUP_RANK"],
+    ) == (
+        "0",
+        "0",
+        "1",
+        "1",
+        "0",
+    )
+    assert rec["MASTER_ADDR"] and int(rec["MASTER_PORT"]) > 0
+
+
+def test_module_form_runs_a_module_with_its_arguments(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(ENV_PROBE)
+    proc = run_cli("run", "-m", "mypkg.train", "a", "b", env={"PYTHONPATH": str(tmp_path)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert records(proc.stdout)[0]["argv"] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "needs a script"),
+        (["missing.py"], "does not exist"),
+        (["."], "is a folder"),
+        (["--verbose", "x.py"], "unknown flag '--verbose'"),
+        (["--nproc-per-node", "0", "x.py"], "--nproc-per-node must be at least 1"),
+        (["--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "2", "x.py"], "--init-method"),
+        (["-m"], "needs a module name"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_starts(args, fragment):
+    assert_user_error(run_cli("run", *args, timeout=60), fragment)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_workers_get_ranks_and_the_scripts_exit_code_passes_through(tmp_path, launcher):
+    script = probe(tmp_path)
+    proc = run_cli(
+        "run", "--nproc-per-node", "2", "--launcher", launcher, str(script), "x", env={"PROBE_EXIT": "5"}
+    )
+    assert proc.returncode == 5, (proc.stdout, proc.stderr)
+    recs = records(proc.stdout)
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in recs] == [("0", "0", "2"), ("1", "1", "2")]
+    assert {r["MASTER_PORT"] for r in recs} == {recs[0]["MASTER_PORT"]} and recs[0]["argv"] == ["x"]
+
+
+def python(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=cwd
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
+def ddpkit_run(*args: str, cwd: Path, timeout: float = 300, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = run_cli("run", *args, timeout=timeout, cwd=cwd)
+    if ok:
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), {k: (wa[k] - wb[k]).abs().max().item() for k in wa}
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory) -> Path:
+    """torchrun_ddp.py under torch's own torchrun, 2 processes, 3 epochs: the weights every launcher must give."""
+    work = tmp_path_factory.mktemp("torchrun")
+    script = str(SCRIPTS / "torchrun_ddp.py")
+    python(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        script,
+        "--out",
+        "w.pt",
+        cwd=work,
+    )
+    return work / "w.pt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_torchrun_style_script_unchanged_gives_torchruns_weights(tmp_path, torchrun_reference, launcher):
+    script = str(SCRIPTS / "torchrun_ddp.py")
+    ddpkit_run("--nproc-per-node", "2", "--launcher", launcher, script, "--out", "w.pt", cwd=tmp_path)
+    assert_same(tmp_path / "w.pt", torchrun_reference)
+
+
+@pytest.mark.slow
+def test_torchrun_style_script_resumes_from_its_own_snapshot(tmp_path, torchrun_reference):
+    script = str(SCRIPTS / "torchrun_ddp.py")
+    ddpkit_run("--nproc-per-node", "2", script, "--stop-after", "1", cwd=tmp_path)
+    assert (tmp_path / "snapshot.pt").is_file()
+    proc = ddpkit_run("--nproc-per-node", "2", script, "--out", "w.pt", cwd=tmp_path)
+    assert "Resuming training from snapshot at Epoch 1" in proc.stdout
+    assert_same(tmp_path / "w.pt", torchrun_reference)
+
+
+@pytest.mark.slow
+def test_mp_spawn_script_starts_its_own_workers_under_ddpkit_run(tmp_path, torchrun_reference):
+    proc = ddpkit_run(str(SCRIPTS / "spawn_ddp.py"), "--out", "w.pt", cwd=tmp_path)
+    assert "rank 0 of 2 saved" in proc.stdout
+    assert_same(tmp_path / "w.pt", torchrun_reference)
+
+
+def test_init_distributed_in_a_multiprocessing_child_without_a_launcher_is_refused(tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import sys
+            import torch.multiprocessing as mp
+
+            import ddpkit
+
+
+            def worker(rank):
+                try:
+                    ddpkit.init_distributed()
+                except ddpkit.UserError as e:
+                    sys.stdout.write(f"refused: {e}\\n")
+                    sys.stdout.flush()
+                    return
+                sys.stdout.write(f"world size {ddpkit.get_world_size()}\\n")
+
+
+            if __name__ == "__main__":
+                mp.spawn(worker, nprocs=1)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=cli_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "refused:" in proc.stdout
+        and "rank= and world_size=" in proc.stdout
+        and "ddpkit.launch" in proc.stdout
+    )
