@@ -43,6 +43,18 @@ COMMANDS = {
         True,
         False,
     ),
+    "report": (
+        "ddpkit.report:report_command",
+        "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
+        False,
+        False,
+    ),
+    "bench": (
+        "ddpkit.bench:bench_command",
+        "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
+        True,
+        False,
+    ),
 }
 
 
