@@ -104,9 +104,16 @@ def _last_error(proc: subprocess.CompletedProcess) -> str:
     return (err or lines or [f"exit status {proc.returncode}, no output"])[-1]
 
 
+def threads_per_process(n: int) -> int:
+    """CPU threads each of n local workers gets: OMP_NUM_THREADS when set, else cores // n (the launcher's rule)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
+
+
 def measure(argv: list[str], n: int, out_dir: Path) -> dict[str, Any]:
     """Run one count; its warm-up and timed epochs from metrics.jsonl."""
-    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ))
+    threads = threads_per_process(n)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # explicit, so the table can say what it measured
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         what = f"bench with {n} process(es) failed (exit {proc.returncode}): {_last_error(proc)}"
         if proc.returncode == 2:
@@ -122,6 +129,7 @@ def measure(argv: list[str], n: int, out_dir: Path) -> dict[str, Any]:
     where = _DEVICE.search(log)
     return {
         "nproc": n,
+        "threads_per_process": threads,
         "global_batch_size": timed["global_batch_size"],
         "steps": timed["step"] - warm["step"],
         "images_per_s": timed["train_images_per_s"],
@@ -143,18 +151,12 @@ def scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(results: list[dict[str, Any]]) -> str:
     """The Markdown table of a bench."""
-    head = [
-        "processes",
-        "global batch",
-        "steps timed",
-        "images/s",
-        "speed-up",
-        "efficiency",
-        "warm-up images/s",
-    ]
+    head = ["processes", "threads/process", "global batch", "steps timed", "images/s", "speed-up"]
+    head += ["efficiency", "warm-up images/s"]
     body = [
         [
             str(r["nproc"]),
+            str(r["threads_per_process"]),
             str(r["global_batch_size"]),
             str(r["steps"]),
             f"{r['images_per_s']:.1f}",
@@ -207,6 +209,9 @@ def bench_command(cfg, args) -> int:
             "drop --steps (each epoch is then one pass over the data set) or use data.dataset=synthetic",
         )
     steps = args.steps or DEFAULT_STEPS
+    load = (
+        os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    )  # other work on the machine skews the figures
     results = []
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
         for n in counts:
@@ -220,6 +225,8 @@ def bench_command(cfg, args) -> int:
         "dataset": dataset,
         "steps_per_epoch": steps if dataset == "synthetic" else None,
         "overrides": list(args.overrides),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load,
         "results": results,
     }
     if json_out is not None:

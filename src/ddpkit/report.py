@@ -178,7 +178,11 @@ def write_bytes(path: Path, data: bytes) -> Path:
     """Atomic write (temporary file, fsync, rename): a reader never sees half a picture or table."""
     from ddpkit.checkpoint import _atomic_write
 
-    return _atomic_write(path, lambda fh: fh.write(data))
+    _atomic_write(path, lambda fh: fh.write(data))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # a picture or page to share: the usual file mode, not the temp file's 0600
+    return path
 
 
 def _finite(v: Any) -> Any:
