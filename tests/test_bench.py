@@ -40,10 +40,12 @@ def test_bench_one_and_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_child_names_the_count_and_its_error(tmp_path):
-    proc = run_cli(
-        "bench", "--nproc", "1", "model.arch=resnet9999", *TINY, "--json", str(tmp_path / "b.json")
+    missing = tmp_path / "no-cifar"  # found missing by the child `ddpkit train`, not by bench's own checks
+    args = ["data.dataset=cifar10", f"data.root={missing}", "--json", str(tmp_path / "b.json")]
+    proc = run_cli("bench", "--nproc", "1", *args)
+    assert_user_error(
+        proc, "bench with 1 process(es) failed (exit 2)", f"data.root '{missing}' does not exist"
     )
-    assert_user_error(proc, "bench with 1 process(es) failed", "unknown model.arch 'resnet9999'")
     assert not (tmp_path / "b.json").exists()
 
 
