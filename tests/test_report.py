@@ -191,6 +191,19 @@ def test_an_epoch_written_twice_later_line_wins(resumed, tmp_path, capsys):
     assert s["resumed_after"] == [1]
 
 
+def test_legend_names_runs_by_what_differs_in_their_configs(resumed, tmp_path):
+    runs = []
+    for name, lr in (("a", "0.1"), ("b", "0.4")):
+        shutil.copytree(resumed, tmp_path / name)
+        cfg = tmp_path / name / "config.yaml"
+        cfg.write_text(cfg.read_text().replace("  lr: 0.1\n", f"  lr: {lr}\n"))
+        runs.append(report.load_run(tmp_path / name))
+    keys = report.differing_keys(runs)
+    assert keys == ["optim.lr"]  # out_dir always differs and never names a run
+    assert report.labels(runs, keys) == ["optim.lr=0.1", "optim.lr=0.4"]
+    assert report.labels(runs[:1], []) == ["a"]
+
+
 def test_write_curves_on_a_real_run(resumed, tmp_path):
     run = tmp_path / "curves"
     shutil.copytree(resumed, run)
