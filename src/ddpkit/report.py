@@ -179,9 +179,9 @@ def write_bytes(path: Path, data: bytes) -> Path:
     from ddpkit.checkpoint import _atomic_write
 
     _atomic_write(path, lambda fh: fh.write(data))
-    umask = os.umask(0)
+    umask = os.umask(0)  # a picture or page to share: the usual file mode, not the temporary file's 0600
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # a picture or page to share: the usual file mode, not the temp file's 0600
+    os.chmod(path, 0o666 & ~umask)
     return path
 
 
