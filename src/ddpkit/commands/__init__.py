@@ -65,6 +65,19 @@ COMMANDS: dict[str, Command] = {
             config="dist",
         ),
         Command(
+            "report",
+            "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
+            "ddpkit.report:report_command",
+            config="none",
+            mode="local",
+        ),
+        Command(
+            "bench",
+            "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
+            "ddpkit.bench:bench_command",
+            mode="local",
+        ),
+        Command(
             "slurm",
             "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
             "ddpkit.cluster:slurm_command",

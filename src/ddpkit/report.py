@@ -1,0 +1,446 @@
+"""`ddpkit report`: read run directories, draw their curves, tabulate and compare them (PNG, Markdown, HTML, JSON).
+
+A run is read from its out_dir: metrics.jsonl (one line per finished epoch; when an epoch appears twice the
+later line wins), config.yaml (the resolved config; what differs between runs names them in the legend) and
+log.txt (each `resumed from ... (epoch N ...)` line marks a resume after epoch N; an epoch number that goes
+backwards in metrics.jsonl marks one too). matplotlib is imported only when a picture is drawn.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import itertools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import UserError
+
+MAX_METRICS_BYTES = 64 << 20
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_KEYS = 10_000
+FIG_SIZE_IN = (12.0, 8.0)
+FIG_DPI = 100  # so a report PNG is 1200 x 800 pixels
+_RESUMED = re.compile(r"resumed from .*\(epoch (\d+)")
+_PLOTTED = ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "train_images_per_s")
+_NUMERIC = (*_PLOTTED, "epoch_time_s", "step", "world_size", "global_batch_size", "val_samples")
+
+
+@dataclass
+class Run:
+    """One run directory: its epochs (one row each, by epoch), where it resumed, and its flattened config."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    resumed_after: list[int] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    config_text: str = ""
+
+    def series(self, key: str) -> list[Any]:
+        return [r.get(key) for r in self.rows]
+
+    def sizes(self, key: str) -> str:
+        """world_size / global_batch_size over the run: one value, or the values in order (`1->2`)."""
+        seen: list[Any] = []
+        for v in self.series(key):
+            if v is not None and v not in seen:
+                seen.append(v)
+        return "->".join(str(v) for v in seen) if seen else "?"
+
+
+def _bad(path: Path, what: str) -> UserError:
+    return UserError(f"'{path}' {what}", "pass the out_dir of a `ddpkit train` run that finished an epoch")
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the numbering went back)."""
+    if path.stat().st_size > MAX_METRICS_BYTES:
+        raise _bad(path, f"is larger than {MAX_METRICS_BYTES >> 20} MiB; not a ddpkit metrics file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _bad(path, f"cannot be read: {e}") from None
+    by_epoch: dict[int, dict[str, Any]] = {}
+    restarts: list[int] = []
+    last = 0
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # a torn last line (the run was killed mid-write): not an epoch yet
+                continue
+            raise _bad(path, f"line {i} is not JSON") from None
+        epoch = row.get("epoch") if isinstance(row, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+            raise _bad(path, f"line {i} has no epoch number (>= 1)")
+        for key in _NUMERIC:
+            v = row.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise _bad(path, f"line {i}: {key} is not a number")
+        if epoch <= last:
+            restarts.append(epoch - 1)
+        last = epoch
+        by_epoch[epoch] = row
+    if not by_epoch:
+        raise _bad(path, "holds no epoch yet")
+    return [by_epoch[e] for e in sorted(by_epoch)], restarts
+
+
+def _resumes_in_log(path: Path) -> list[int]:
+    """Epochs after which log.txt says the run resumed (read line by line, long lines cut)."""
+    found = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            while line := fh.readline(1 << 16):
+                if m := _RESUMED.search(line):
+                    found.append(int(m.group(1)))
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def flatten(tree: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A nested mapping as dotted keys; UserError past MAX_CONFIG_KEYS (YAML aliases can multiply a small file)."""
+    out = {} if out is None else out
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            flatten(v, f"{prefix}{k}.", out)
+    else:
+        out[prefix[:-1]] = tree
+    if len(out) > MAX_CONFIG_KEYS:
+        raise UserError(
+            f"config.yaml under '{prefix or '.'}' has over {MAX_CONFIG_KEYS} keys", "not a ddpkit config"
+        )
+    return out
+
+
+def _read_config(path: Path) -> tuple[dict[str, Any], str]:
+    import yaml
+
+    if not path.is_file():
+        raise _bad(path.parent, "has no config.yaml")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise _bad(path, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a ddpkit config")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        first = str(e).strip().splitlines()[0]
+        raise _bad(path, f"is not valid YAML: {first}") from None
+    if not isinstance(tree, dict):
+        raise _bad(path, "is not a YAML mapping")
+    return flatten(tree), text
+
+
+def load_run(path: str | os.PathLike, with_config: bool = True) -> Run:
+    """Read one run directory; UserError when it is not one."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"run directory '{path}' does not exist", "pass the out_dir of a `ddpkit train` run")
+    if not path.is_dir():
+        raise UserError(f"'{path}' is not a directory", "pass the out_dir of a `ddpkit train` run")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise _bad(path, "has no metrics.jsonl")
+    rows, restarts = _read_rows(metrics)
+    last = rows[-1]["epoch"]
+    resumed = sorted({e for e in restarts + _resumes_in_log(path / "log.txt") if 1 <= e < last})
+    config, text = _read_config(path / "config.yaml") if with_config else ({}, "")
+    return Run(path, rows, resumed, config, text)
+
+
+def check_output(path: str | os.PathLike | None, suffix: str, flag: str) -> Path | None:
+    """An output path the user named: right suffix, an existing folder, not a directory itself."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.suffix.lower() != suffix:
+        raise UserError(f"{flag} '{path}' does not end in {suffix}", f"name a {suffix} file")
+    if path.is_dir():
+        raise UserError(f"{flag} '{path}' is a directory", f"name a {suffix} file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag} '{path}': folder '{parent}' does not exist", "create it first")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} '{path}': folder '{parent}' is not writable", "choose another place")
+    return path
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Atomic write (temporary file, fsync, rename): a reader never sees half a picture or table."""
+    from ddpkit.checkpoint import _atomic_write
+
+    _atomic_write(path, lambda fh: fh.write(data))
+    umask = os.umask(0)  # a picture or page to share: the usual file mode, not the temporary file's 0600
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _mean(values: list[Any]) -> float | None:
+    nums = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(nums) / len(nums) if nums else None
+
+
+def _label_value(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """Config keys (and world_size, from the metrics) whose values are not the same in every run."""
+    if len(runs) < 2:
+        return []
+    keys = sorted(set().union(*(r.config for r in runs)) - {"out_dir"})
+    diff = [k for k in keys if len({json.dumps(r.config.get(k), default=str) for r in runs}) > 1]
+    if len({r.sizes("world_size") for r in runs}) > 1:
+        diff.insert(0, "world_size")
+    return diff
+
+
+def _differs(run: Run, keys: list[str]) -> dict[str, Any]:
+    return {k: run.sizes("world_size") if k == "world_size" else run.config.get(k) for k in keys}
+
+
+def _pairs(differs: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_label_value(v)}" for k, v in differs.items())
+
+
+def labels(runs: list[Run], keys: list[str]) -> list[str]:
+    """Legend names: what differs in each run's config (`world_size=2 optim.lr=0.4`), else the folder's name."""
+    out = [_pairs(_differs(r, keys)) or r.path.name for r in runs]
+    if len(set(out)) < len(out):
+        out = [
+            f"{lab} [{r.path}]" if lab != str(r.path.name) else str(r.path)
+            for lab, r in zip(out, runs, strict=True)
+        ]
+    return out
+
+
+def summarize(run: Run, label: str, keys: list[str], target: float | None) -> dict[str, Any]:
+    """One run's row of the report: accuracies, time to target, throughput, sizes, strategy, what differs."""
+    rows = run.rows
+    acc = [(r["epoch"], r.get("val_acc1")) for r in rows if r.get("val_acc1") is not None]
+    best = max(acc, key=lambda ea: ea[1]) if acc else (None, None)
+    reached, wall, cum = None, None, 0.0
+    for r in rows:
+        cum += r.get("epoch_time_s") or 0.0
+        if target is not None and r.get("val_acc1") is not None and r["val_acc1"] >= target:
+            reached, wall = r["epoch"], cum
+            break
+    world = rows[-1].get("world_size")
+    strategy = run.config.get("dist.strategy", "auto")
+    if strategy == "auto":
+        strategy = "ddp" if (world or 1) > 1 else "single"
+    return {
+        "run": str(run.path),
+        "label": label,
+        "epochs": rows[-1]["epoch"],
+        "world_size": run.sizes("world_size"),
+        "global_batch_size": run.sizes("global_batch_size"),
+        "strategy": strategy,
+        "final_val_acc1": _finite(acc[-1][1]) if acc else None,
+        "best_val_acc1": _finite(best[1]),
+        "best_epoch": best[0],
+        "target_epoch": reached,
+        "target_wall_s": wall,
+        "mean_images_per_s": _mean(run.series("train_images_per_s")),
+        "train_time_s": sum(r.get("epoch_time_s") or 0.0 for r in rows),
+        "resumed_after": run.resumed_after,
+        "differs": _differs(run, keys),
+        "series": {k: [_finite(v) for v in run.series(k)] for k in ("epoch", *_PLOTTED)},
+    }
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str], list[list[str]]]:
+    """The report's table: headers and one row of cells per run."""
+    head = ["run", "world size", "global batch", "strategy", "epochs", "final val_acc1"]
+    head += ["best val_acc1 (epoch)"]
+    if target is not None:
+        head += [f"epoch reaching {_pct(target)}", f"train time to {_pct(target)} (s)"]
+    head += ["mean images/s", "train time (s)", "resumed after epoch", "differs"]
+    body = []
+    for s in summary:
+        row = [s["run"], s["world_size"], s["global_batch_size"], s["strategy"], str(s["epochs"])]
+        best = "-" if s["best_val_acc1"] is None else f"{_pct(s['best_val_acc1'])} ({s['best_epoch']})"
+        row += [_pct(s["final_val_acc1"]), best]
+        if target is not None:
+            row += [_num(s["target_epoch"], "d"), _num(s["target_wall_s"], ".2f")]
+        row += [_num(s["mean_images_per_s"], ".1f"), _num(s["train_time_s"], ".2f")]
+        row += [", ".join(map(str, s["resumed_after"])) or "-", _pairs(s["differs"]) or "-"]
+        body.append(row)
+    return head, body
+
+
+def markdown(head: list[str], body: list[list[str]]) -> str:
+    """A Markdown table (pipes in cells escaped)."""
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(head), line(["---"] * len(head)), *map(line, body)])
+
+
+def figure(runs: list[Run], names: list[str], target: float | None = None, title: str = ""):
+    """Four panels over epochs: loss, val accuracy, lr, images/s; one colour per run, a break where it resumed."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=FIG_SIZE_IN, dpi=FIG_DPI)  # fixed margins: a layout engine would double the time
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.92, hspace=0.38, wspace=0.16)
+    axes = fig.subplots(2, 2).ravel()
+    panels = [
+        ("loss (solid: train, dashed: val)", ["train_loss", "val_loss"]),
+        ("val accuracy (top-1)", ["val_acc1"]),
+        ("learning rate (end of epoch)", ["lr"]),
+        ("training images/s", ["train_images_per_s"]),
+    ]
+    for ax, (name, _) in zip(axes, panels, strict=True):
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for i, (run, name) in enumerate(zip(runs, names, strict=True)):
+        color = f"C{i % 10}"
+        cuts = [0, *run.resumed_after, math.inf]
+        segments = [[r for r in run.rows if lo < r["epoch"] <= hi] for lo, hi in itertools.pairwise(cuts)]
+        for ax, (_, keys) in zip(axes, panels, strict=True):
+            for key, style in zip(keys, ["-", "--"][: len(keys)], strict=True):
+                for seg in segments:
+                    pts = [(r["epoch"], r[key]) for r in seg if _finite(r.get(key)) is not None]
+                    if pts:
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            style,
+                            color=color,
+                            marker="o",
+                            markersize=3,
+                            linewidth=1.5,
+                        )
+            for e in run.resumed_after:
+                ax.axvline(e + 0.5, color=color, linestyle=":", linewidth=1, alpha=0.5)
+        resumed = (
+            f" (resumed after epoch {', '.join(map(str, run.resumed_after))})" if run.resumed_after else ""
+        )
+        axes[0].plot([], [], "-", color=color, marker="o", label=name + resumed)
+    if target is not None:
+        axes[1].axhline(target, color="gray", linestyle="--", linewidth=1)
+    fig.legend(loc="lower center", ncols=min(len(runs), 3), fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def png_bytes(fig) -> bytes:
+    """Render a matplotlib Figure (no pyplot, no global backend) to PNG bytes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=FIG_DPI)
+    return buf.getvalue()
+
+
+def write_curves(out_dir: str | os.PathLike) -> Path:
+    """Draw one run's curves into out_dir/curves.png; returns the path."""
+    run = load_run(out_dir, with_config=False)
+    fig = figure([run], [run.path.name or str(run.path)], title=str(run.path))
+    return write_bytes(run.path / "curves.png", png_bytes(fig))
+
+
+def html_page(png: bytes, head: list[str], body: list[list[str]], runs: list[Run], names: list[str]) -> str:
+    """One self-contained HTML file: the picture inline, the table, each run's config; no scripts, no links."""
+    e = html.escape
+    th = "".join(f"<th>{e(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in body)
+    configs = "".join(
+        f"<details><summary>{e(name)} &mdash; {e(str(r.path))}</summary><pre>{e(r.config_text)}</pre></details>"
+        for r, name in zip(runs, names, strict=True)
+    )
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}img{max-width:100%}"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
+        f"<style>{style}</style></head><body><h1>ddpkit report</h1>"
+        f'<img alt="training curves" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+        f"<h2>Runs</h2><table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+        f"<h2>Configs</h2>{configs}</body></html>\n"
+    )
+
+
+def add_flags(parser) -> None:
+    """RUN_DIR ... and the output flags of `ddpkit report`."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="out_dir of a `ddpkit train` run")
+    g = parser.add_argument_group("report")
+    g.add_argument(
+        "--out", default="report.png", metavar="FILE.png", help="the curves (default: ./report.png)"
+    )
+    g.add_argument("--html", metavar="FILE.html", help="also write one self-contained HTML page")
+    g.add_argument("--json", metavar="FILE.json", help="also write the table and the plotted data as JSON")
+    g.add_argument("--target", type=float, metavar="ACC", help="val_acc1 to reach, in (0, 1], e.g. 0.98")
+
+
+def check_no_launch_flags(cmd: str, args) -> None:
+    """A local command (report, bench) refuses --nproc-per-node and the other launch flags."""
+    from ddpkit.distributed.launch import LaunchSpec, spec_from_args
+
+    if spec_from_args(args) != LaunchSpec():
+        raise UserError(
+            f"launch flags do not apply to `ddpkit {cmd}`", f"drop them; see `ddpkit {cmd} --help`"
+        )
+
+
+def report_command(cfg, args) -> int:
+    """`ddpkit report RUN_DIR ...`: PNG (+ HTML, JSON), and the Markdown table on stdout."""
+    check_no_launch_flags("report", args)
+    target = args.target
+    if target is not None and not 0 < target <= 1:
+        raise UserError(f"--target {target} is not in (0, 1]", "accuracies are fractions, e.g. --target 0.98")
+    outs = [
+        check_output(args.out, ".png", "--out"),
+        check_output(args.html, ".html", "--html"),
+        check_output(args.json, ".json", "--json"),
+    ]
+    paths = [Path(d).resolve() for d in args.run_dirs]
+    if len(set(paths)) < len(paths):
+        raise UserError("the same run directory is given twice", "name each run once")
+    runs = [load_run(d) for d in args.run_dirs]
+    keys = differing_keys(runs)
+    names = labels(runs, keys)
+    summary = [summarize(r, n, keys, target) for r, n in zip(runs, names, strict=True)]
+    head, body = table(summary, target)
+    png = png_bytes(figure(runs, names, target))
+    write_bytes(outs[0], png)
+    if outs[1] is not None:
+        write_bytes(outs[1], html_page(png, head, body, runs, names).encode("utf-8"))
+    if outs[2] is not None:
+        doc = {"target": target, "differing_keys": keys, "runs": summary}
+        write_bytes(outs[2], (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
+    print(markdown(head, body))
+    print(
+        f"\ncurves: {outs[0]}"
+        + "".join(f"\n{kind}: {p}" for kind, p in zip(("html", "json"), outs[1:], strict=True) if p)
+    )
+    return 0
