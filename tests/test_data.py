@@ -525,3 +525,39 @@ def _download_group(rank: int, world_size: int, root: str):
 def test_download_path_in_a_process_group(tmp_path):
     write_cifar10(tmp_path, per_batch=2, test=3)
     assert run_group(_download_group, 2, str(tmp_path)) == [(10, 3), (10, 3)]
+
+
+def test_set_epoch_on_the_loaders_sampler_is_honoured():
+    """What every tutorial writes: `loader.sampler.set_epoch(epoch)` chooses the order (it was ignored)."""
+    ds = _Indexed(100)
+    reference = distributed_loader(ds, 10, seed=1)
+    reference.set_epoch(5)
+    want = _pass(reference)
+    loader = distributed_loader(ds, 10, seed=1)
+    loader.sampler.set_epoch(5)
+    assert _pass(loader) == want
+    for epoch in range(3):  # the tutorial loop: set_epoch on the sampler before each pass
+        loader.sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        assert _pass(loader) == _pass(reference)
+
+
+def test_a_resumed_position_survives_the_tutorials_set_epoch_call():
+    ds = _Indexed(100)
+    loader = distributed_loader(ds, 10, seed=2)
+    loader.set_epoch(3)
+    full = _pass(loader)
+    it = iter(loader)
+    loader.set_epoch(3)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    del it
+    assert state == {"epoch": 3, "consumed": 40}
+    resumed = distributed_loader(ds, 10, seed=2)
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(3)  # the script's own set_epoch(epoch) at the top of the resumed epoch
+    assert _pass(resumed) == full[40:]
+    resumed.set_epoch(3)  # asked again after the pass: the whole epoch
+    assert _pass(resumed) == full

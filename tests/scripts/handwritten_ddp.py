@@ -19,7 +19,11 @@ from single_gpu import Blobs, build_model, collate
 
 
 def main(args):
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = (
+        int(os.environ["RANK"]),
+        int(os.environ["LOCAL_RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+    )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
@@ -29,8 +33,15 @@ def main(args):
     model = DDP(model, device_ids=[local_rank] if torch.cuda.is_available() else None)
     train_set, val_set = Blobs(1000, 1), Blobs(333, 2)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                              collate_fn=collate, pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        collate_fn=collate,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=args.workers > 0,
+    )
     val_loader = DataLoader(val_set, batch_size=64, shuffle=False, collate_fn=collate)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -48,7 +59,10 @@ def main(args):
                 for x, y in val_loader:
                     correct += (model.module(x.to(device)).argmax(1) == y.to(device)).sum().item()
                     total += len(y)
-            print(f"epoch {epoch} | loss {loss.item():.4f} | val acc {correct / total:.4f} on {total} samples", flush=True)
+            print(
+                f"epoch {epoch} | loss {loss.item():.4f} | val acc {correct / total:.4f} on {total} samples",
+                flush=True,
+            )
         dist.barrier()
     if rank == 0:
         torch.save(model.module.state_dict(), args.out)

@@ -1,6 +1,6 @@
-"""single_gpu.py made distributed with ddpkit: the same script, a handful of lines changed (marked `# ddpkit`).
-It runs as `python ported.py` (one process), under `ddpkit run --nproc-per-node N`, torchrun, srun or mpirun,
-and resumes mid-run from the state it saved.
+"""single_gpu.py made distributed with ddpkit: the same script, a handful of lines changed (marked `# ddpkit`),
+plus a mid-run resume (`# resume`) and the test suite's crash hook (`# test hook`). It runs as `python ported.py`
+(one process), under `ddpkit run --nproc-per-node N`, torchrun, srun or mpirun.
 
     ddpkit run --nproc-per-node 2 ported.py --epochs 3 --out model.pt --state state.pt
 """
@@ -16,6 +16,11 @@ import ddpkit  # ddpkit
 from single_gpu import Blobs, build_model, collate
 
 
+def resume(path, **objects):
+    """The epoch to start from: 0, or where the state a crashed run saved says (it restores the objects)."""
+    return ddpkit.load_state(path, **objects)["epoch"] if path and os.path.exists(path) else 0
+
+
 def main(args):
     device = ddpkit.init_distributed().device  # ddpkit
     torch.manual_seed(0)
@@ -26,9 +31,9 @@ def main(args):
                               collate_fn=collate, pin_memory=True, persistent_workers=args.workers > 0)
     val_loader = DataLoader(Blobs(333, 2), batch_size=64, shuffle=False, collate_fn=collate)
     model, optimizer, train_loader, val_loader = ddpkit.prepare(model, optimizer, train_loader, val_loader)  # ddpkit
-    start = ddpkit.load_state(args.state, model=model, optimizer=optimizer, loader=train_loader)["epoch"] if args.state and os.path.exists(args.state) else 0  # ddpkit
-    steps = 0
-    for epoch in range(start, args.epochs):
+    start = resume(args.state, model=model, optimizer=optimizer, loader=train_loader)  # resume
+    steps = 0  # test hook
+    for epoch in range(start, args.epochs):  # resume
         model.train()
         for x, y in train_loader:
             x, y = x.to(device), y.to(device)
@@ -36,10 +41,10 @@ def main(args):
             loss = criterion(model(x), y)
             loss.backward()
             optimizer.step()
-            steps += 1
-            if steps == args.crash_after_steps:  # a crash in the middle of an epoch, after saving the state
-                ddpkit.save_state(args.state, model=model, optimizer=optimizer, loader=train_loader, epoch=epoch)
-                raise SystemExit(75)
+            steps += 1  # test hook
+            if steps == args.crash_after_steps:  # test hook: a crash in the middle of an epoch
+                ddpkit.save_state(args.state, model=model, optimizer=optimizer, loader=train_loader, epoch=epoch)  # resume
+                raise SystemExit(75)  # test hook
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -48,9 +53,9 @@ def main(args):
                 total += len(y)
         correct, total = ddpkit.all_reduce_sum([correct, total])  # ddpkit
         if ddpkit.is_main_process():  # ddpkit
-            print(f"epoch {epoch} | loss {loss.item():.4f} | val acc {correct / total:.4f} on {total} samples", flush=True)
+            print(f"epoch {epoch} | loss {loss.item():.4f} | val acc {correct / total:.4f} on {total} samples", flush=True)  # ddpkit
     if ddpkit.is_main_process():  # ddpkit
-        torch.save(ddpkit.unwrap(model).state_dict(), args.out)
+        torch.save(ddpkit.unwrap(model).state_dict(), args.out)  # ddpkit
 
 
 if __name__ == "__main__":

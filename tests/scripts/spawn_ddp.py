@@ -28,7 +28,9 @@ def main(rank, world_size, args):
     dataset = MyTrainDataset(2048)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, sampler=DistributedSampler(dataset))
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=False, sampler=DistributedSampler(dataset)
+    )
     model = DDP(model)
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)

@@ -40,7 +40,9 @@ class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path):
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
-        self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.model = model.to(self.device)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -69,7 +71,10 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         b_sz = len(next(iter(self.train_data))[0])
-        print(f"[GPU{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}", flush=True)
+        print(
+            f"[GPU{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}",
+            flush=True,
+        )
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
             self._run_batch(source.to(self.device), targets.to(self.device))
@@ -103,7 +108,9 @@ def load_train_objs():
 
 
 def prepare_dataloader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=True, shuffle=False, sampler=DistributedSampler(dataset))
+    return DataLoader(
+        dataset, batch_size=batch_size, pin_memory=True, shuffle=False, sampler=DistributedSampler(dataset)
+    )
 
 
 def main(args):

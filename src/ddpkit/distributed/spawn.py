@@ -9,6 +9,7 @@ order, or a WorkerFailure naming the rank that failed (its traceback is printed)
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import sys
 import traceback
@@ -46,7 +47,9 @@ def _worker(
         init_distributed(options["backend"], options["device"], options["timeout_s"])
         value = fn(*args)
         shutdown()
-        results.put((rank, "ok", value))
+        # Plain pickle bytes, not torch's shared-memory tensors: those vanish when this process exits before
+        # the parent has read them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises)
         results.put((rank, "error", (first_line(e, limit=300), traceback.format_exc())))
         sys.exit(1)
@@ -119,5 +122,5 @@ def _collect(procs: list, results: Any) -> list[Any]:
             line, trace = value
             print(f"--- worker rank {rank} ---\n{trace}", file=sys.stderr, flush=True)
             raise WorkerFailure(f"worker rank {rank} failed: {line}")
-        values[rank] = value
+        values[rank] = pickle.loads(value)  # bytes our own worker pickled, not a file of the user's
     return [values[r] for r in range(len(procs))]
