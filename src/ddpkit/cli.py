@@ -66,7 +66,11 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument(
             "-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it"
         )
-        p.add_argument("--help-config", action="store_true", help="list every config key with its default")
+        p.add_argument(
+            "--help-config",
+            action="store_true",
+            help="print every config key with its default, type and meaning (docs/config.md), then exit",
+        )
     add_flags = getattr(_module(cmd), "add_flags", None)
     if add_flags is not None:
         add_flags(p)
