@@ -96,8 +96,8 @@ def test_resolved_config_round_trips(tmp_path):
         ("model.sync_bn=2", "expects true or false, got 2"),
         ("train.epochs=2.5", "expects an integer > 0, got 2.5"),
         ("out_dir=", "out_dir must not be empty"),
-        ("seed=-1", "seed must be in [0, 4294967296)"),
-        ("seed=18446744073709551616", "seed must be in"),  # torch.manual_seed would raise OverflowError
+        ("seed=9223372036854775808", "seed must be in [-9223372036854775808, 9223372036854775808)"),
+        ("seed=-9223372036854775809", "seed must be in"),  # torch.manual_seed would raise an OverflowError
         ("dist.timeout_s=1e9", "dist.timeout_s must be in (0, 604800]"),
         ("out_dir=runs/${model.arch}", "does not interpolate"),
         ("TRAIN.BATCH_SIZE=3", "did you mean 'train.batch_size'"),
@@ -241,6 +241,10 @@ def test_nan_in_a_yaml_file_is_refused(tmp_path):
         load_config(str(f))
 
 
+def test_seed_keeps_its_range_but_not_beyond_torch():
+    assert load_config(None, ["seed=-1"]).seed == -1 and load_config(None, ["seed=4294967296"]).seed == 2**32
+
+
 def test_timeout_upper_bound():
     assert load_config(None, ["dist.timeout_s=604800"]).dist.timeout_s == 604800
     with pytest.raises(UserError, match=r"dist.timeout_s must be in \(0, 604800\], got 604801"):
@@ -270,13 +274,16 @@ def test_non_scalar_values_are_one_line_errors(tmp_path, text, fragment):
 
 
 def test_string_overrides_keep_the_text_as_typed():
-    cfg = load_config(None, ["out_dir=007", "data.root=on", "model.pretrained=null", "checkpoint.path=1e3"])
-    assert (cfg.out_dir, cfg.data.root, cfg.model.pretrained, cfg.checkpoint.path) == (
-        "007",
-        "on",
-        None,
-        "1e3",
-    )
+    over = [
+        "out_dir=007",
+        "data.root=on",
+        "model.pretrained=null",
+        "checkpoint.path=1e3",
+        "checkpoint.resume=2001-13-45",
+    ]
+    cfg = load_config(None, over)
+    got = (cfg.out_dir, cfg.data.root, cfg.model.pretrained, cfg.checkpoint.path, cfg.checkpoint.resume)
+    assert got == ("007", "on", None, "1e3", "2001-13-45")
 
 
 def test_strings_refuse_control_characters(tmp_path):
@@ -394,6 +401,8 @@ def test_importing_the_config_module_imports_no_torch(tmp_path):
         ("".join(f"k{i}: {i}\n" for i in range(20000)), "more than 10000 values"),
         ("out_dir: !!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
         (b"seed: \xff\n", "cannot read config file"),
+        ("seed: " + "1" * 5000 + "\n", "holds a value YAML cannot convert"),  # int() refuses > 4300 digits
+        ("out_dir: 2001-13-45\n", "holds a value YAML cannot convert: 'month must be in 1..12'"),
     ],
 )
 def test_hostile_files_are_refused_in_one_line(tmp_path, text, fragment):

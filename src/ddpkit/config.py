@@ -139,7 +139,7 @@ class DistConfig:
     )
     timeout_s: float = opt(
         600.0,
-        "collective timeout in seconds: a stuck or failed worker ends the job within it",
+        "collective timeout in seconds (7 days at most): a stuck or failed worker ends the job within it",
         gt=0,
         le=MAX_TIMEOUT_S,
     )
@@ -173,7 +173,7 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    """Top level."""
+    """A whole run's config: the top-level keys, then one dataclass per section."""
 
     out_dir: str = opt(
         "runs/default",
@@ -184,8 +184,8 @@ class Config:
     seed: int = opt(
         0,
         "base seed: initial weights, data order and each rank's augmentation derive from it",
-        ge=0,
-        lt=2**32,
+        ge=-(2**63),
+        lt=2**63,  # a 64-bit integer, which torch.manual_seed accepts
     )
     data: DataConfig = section(DataConfig)
     model: ModelConfig = section(ModelConfig)
@@ -329,6 +329,8 @@ def _check_keys(found: list[tuple[str, str]]) -> None:
 def _closest(key: str) -> str | None:
     """The valid key the user most likely meant: case-insensitive, then other frameworks' names, then spelling."""
     specs = _specs()
+    if len(key) > 200:  # no valid key is that long; difflib's time grows with the length
+        return None
     low = key.lower().replace("-", "_")
     if low in specs:
         return low

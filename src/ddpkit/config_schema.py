@@ -14,7 +14,7 @@ import math
 import reprlib
 import types
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 from ddpkit.errors import UserError
 
@@ -118,7 +118,7 @@ def check_value(spec: Spec, value: Any) -> Any:
         if spec.nullable:
             return None
         _wrong(spec, value)
-    if isinstance(value, (list, tuple, set, dict)) or not isinstance(value, (str, int, float, datetime.date)):
+    if not isinstance(value, (str, int, float, datetime.date)):
         kind = "a mapping" if isinstance(value, dict) else f"a {type(value).__name__}"
         raise UserError(
             f"config key '{spec.key}' expects {spec.type_text(True)}, got {kind}: {shown(value)}",
@@ -177,7 +177,7 @@ def _checked_text(spec: Spec, text: str) -> str:
     return text
 
 
-def _wrong(spec: Spec, value: Any) -> None:
+def _wrong(spec: Spec, value: Any) -> NoReturn:
     example = "" if spec.default is None else f", e.g. {spec.key}={yaml_text(spec.default)}"
     quote = " (quote it in YAML)" if spec.base is str and isinstance(value, bool) else ""
     raise UserError(

@@ -104,6 +104,8 @@ def parse_yaml(text: str, name: str) -> Any:
             return None
         _no_duplicates(node, name, "", set())
         return loader.construct_document(node)
+    except (ValueError, OverflowError) as e:  # an implicit int of 5000 digits, a timestamp like 2001-13-45
+        raise NotYAML(f"{name} holds a value YAML cannot convert: {shown(str(e))}", "quote it") from None
     except _Refused as e:
         raise UserError(f"{name}, {e}", e.hint) from None
     except yaml.YAMLError as e:
