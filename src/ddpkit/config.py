@@ -16,9 +16,8 @@ from typing import Any, Literal
 from ddpkit.config_schema import MAX_TEXT, Spec, check_value, opt, section, shown, spec_of, yaml_text
 from ddpkit.errors import UserError
 
-MAX_TIMEOUT_S = (
-    7 * 24 * 3600
-)  # torch turns the timeout into a timedelta: an infinite or huge one crashes workers
+# torch turns dist.timeout_s into a timedelta: an infinite or huge one crashes the workers (OverflowError)
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 @dataclass
@@ -374,9 +373,10 @@ step* is one update, after `train.grad_accum_steps` micro-batches; the *global b
 world_size x `train.grad_accum_steps` samples per optimizer step.
 
 Values: `null` means "not set" where a key allows it; numbers must be finite (nan and inf are refused);
-strings hold at most {max_text} characters and no control characters. Every unknown key is reported at once,
-each with the closest valid key. A config file holds at most {max_mib} MiB, {max_nodes} values (aliases counted at
-their expanded size) and {max_depth} levels of nesting, and never the same key twice."""
+strings hold at most {max_text} characters, no control characters and no `${{` (nothing is interpolated).
+Every unknown key is reported at once, each with the closest valid key. A config file holds at most {max_mib} MiB,
+{max_nodes} values (aliases counted at their expanded size) and {max_depth} levels of nesting, and never the same
+key twice."""
 
 
 def describe_keys() -> str:
