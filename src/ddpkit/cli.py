@@ -31,7 +31,9 @@ def command_parser(command: Command) -> argparse.ArgumentParser:
             "-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it"
         )
         p.add_argument(
-            "--help-config", action="store_true", help="list every config key: type, default and meaning"
+            "--help-config",
+            action="store_true",
+            help="print every config key with its default, type and meaning (docs/config.md), then exit",
         )
     add_flags = getattr(command.module, "add_flags", None)
     if add_flags is not None:

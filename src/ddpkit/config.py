@@ -1,186 +1,223 @@
-"""The one config schema (typed dataclasses), YAML + dotted KEY=VALUE merging, and validation."""
+"""The one config schema (typed dataclasses), YAML + dotted KEY=VALUE merging, and validation.
+
+Each key's type (`Literal[...]` for choices), bounds and one-line meaning sit beside it (`opt()`); the checks,
+their error lines, `ddpkit train --help-config` and docs/config.md are all derived from these dataclasses.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-from dataclasses import dataclass, field
-from typing import Any
+import functools
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from ddpkit.config_schema import MAX_TEXT, Spec, check_value, opt, section, shown, spec_of, yaml_text
 from ddpkit.errors import UserError
 
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist", "imagefolder")
-AMP_MODES = ("none", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "step", "constant")
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
-DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "fsdp")
+# torch turns dist.timeout_s into a timedelta: an infinite or huge one crashes the workers (OverflowError)
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 @dataclass
 class DataConfig:
-    dataset: str = "digits"
-    root: str = "data"
-    num_workers: int = 0
-    download: bool = False
-    synthetic_size: int = 2048
-    synthetic_val_size: int = 512
-    image_size: int | None = (
-        None  # None: the data set's own size (digits 8, cifar 32, mnist 28, imagefolder 224)
+    """The training and validation data, and how it is loaded."""
+
+    dataset: str = opt(
+        "digits",
+        "digits (scikit-learn's 8x8 handwritten digits, shipped with it), synthetic (generated), cifar10, "
+        "cifar100, mnist, imagefolder (data.root/train/CLASS/* and data.root/val/CLASS/*), or a data set "
+        "registered with ddpkit.data.register_dataset or the ddpkit.datasets entry point",
+        nonblank=True,
     )
-    augment: bool = True
-    pin_memory: bool = True
+    root: str = opt("data", "the folder that holds the data set's files")
+    num_workers: int = opt(0, "DataLoader worker processes per training process (0: load in it)", ge=0)
+    download: bool = opt(False, "let torchvision download cifar10, cifar100 or mnist into data.root")
+    synthetic_size: int = opt(2048, "training samples of the synthetic data set", gt=0)
+    synthetic_val_size: int = opt(512, "validation samples of the synthetic data set", gt=0)
+    image_size: int | None = opt(
+        None,
+        "image side in pixels; null: the data set's own (digits 8, synthetic 32, cifar 32, mnist 28, "
+        "imagefolder 224)",
+        gt=0,
+    )
+    augment: bool = opt(
+        True,
+        "random training augmentation, each rank its own stream; false: the same batches on any world size",
+    )
+    pin_memory: bool = opt(
+        True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
+    )
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "cnn"
-    num_classes: int | None = None  # None: taken from the data set
-    sync_bn: bool = False
-    channels_last: bool = False
-    compile: bool = False
-    pretrained: str | None = None  # a weights file (loaded with weights_only=True) or "torchvision"
+    """The network."""
+
+    arch: str = opt(
+        "cnn",
+        "cnn (small built-in CNN), mlp (built-in, no normalisation or dropout layers), a torchvision "
+        "classification model (resnet18, resnet50, ...), or timm:NAME when timm is installed",
+        aka=("type", "name"),
+    )
+    num_classes: int | None = opt(None, "output classes; null: the data set's", gt=0)
+    sync_bn: bool = opt(
+        False, "SyncBatchNorm: batch statistics over every process's micro-batch, not each one's own"
+    )
+    channels_last: bool = opt(False, "channels_last memory format for the model and its inputs")
+    compile: bool = opt(False, "torch.compile the model")
+    pretrained: str | None = opt(
+        None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
+    )
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
-    max_steps: int | None = None
-    batch_size: int = 32
-    grad_accum_steps: int = 1
-    amp: str = "none"
-    label_smoothing: float = 0.0
-    clip_grad_norm: float | None = None
-    log_every: int = 50
-    nonfinite: str = "stop"  # stop | skip
+    """The training loop."""
+
+    epochs: int = opt(10, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
+    max_steps: int | None = opt(
+        None, "stop after this many optimizer steps in the whole run; null: no cap", gt=0
+    )
+    batch_size: int = opt(32, "samples in one micro-batch: what one process feeds forward at once", gt=0)
+    grad_accum_steps: int = opt(
+        1, "micro-batches per optimizer step (gradients are synchronised on the last one only)", gt=0
+    )
+    amp: Literal["none", "bf16", "fp16"] = opt(
+        "none", "autocast dtype of the forward pass; fp16 adds a gradient scaler"
+    )
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss", ge=0, lt=1)
+    clip_grad_norm: float | None = opt(
+        None, "clip the gradient norm to this before each optimizer step; null: no clipping", gt=0
+    )
+    log_every: int = opt(50, "log the running loss and accuracy every N optimizer steps", gt=0)
+    nonfinite: Literal["stop", "skip"] = opt(
+        "stop",
+        "on a non-finite loss: stop (every rank, naming the rank and step) or skip (drop that optimizer step)",
+    )
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.1
-    ref_batch_size: int | None = 256
-    schedule: str = "cosine"
-    warmup_epochs: float = 0.0
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 1e-4
-    step_size: int = 30  # epochs between decays for schedule=step
-    step_gamma: float = 0.1
+    """The optimizer and the learning-rate schedule."""
+
+    name: Literal["sgd", "adamw"] = opt("sgd", "the optimizer")
+    lr: float = opt(
+        0.1,
+        "learning rate at optim.ref_batch_size; the one used is lr x global batch / ref_batch_size",
+        gt=0,
+        aka=("base_lr", "learning_rate"),
+    )
+    ref_batch_size: int | None = opt(
+        256, "the global batch optim.lr is meant for (linear scaling rule); null: lr as given", gt=0
+    )
+    schedule: Literal["cosine", "step", "constant"] = opt(
+        "cosine",
+        "lr per optimizer step after warmup: cosine (down to 0 at the last step), step (x optim.step_gamma "
+        "every optim.step_size epochs), constant",
+        aka=("lr_policy", "scheduler"),
+    )
+    warmup_epochs: float = opt(0.0, "linear lr warmup over this many epochs (fractions allowed)", ge=0)
+    momentum: float = opt(0.9, "SGD momentum (sgd only)", ge=0)
+    nesterov: bool = opt(True, "Nesterov momentum (sgd only, when optim.momentum > 0)")
+    weight_decay: float = opt(1e-4, "weight decay, on every trainable parameter", ge=0)
+    step_size: int = opt(30, "epochs between lr decays (schedule=step)", gt=0)
+    step_gamma: float = opt(0.1, "lr multiplier at each decay (schedule=step)", gt=0)
 
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"
-    strategy: str = "auto"
-    timeout_s: float = 600.0
-    device: str = "auto"
+    """The process group and how the model is spread over it."""
+
+    backend: Literal["auto", "gloo", "nccl", "mpi"] = opt(
+        "auto", "torch.distributed backend; auto: nccl on CUDA devices, gloo otherwise"
+    )
+    strategy: Literal["auto", "single", "dp", "ddp", "zero1", "fsdp"] = opt(
+        "auto",
+        "auto (ddp with several processes, single with one), single, dp (DataParallel in one process), "
+        "ddp, zero1 (ddp with the optimizer state sharded), fsdp",
+    )
+    timeout_s: float = opt(
+        600.0,
+        "collective timeout in seconds (7 days at most): a stuck or failed worker ends the job within it",
+        gt=0,
+        le=MAX_TIMEOUT_S,
+    )
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "auto: cuda when a GPU is visible, unless backend=gloo"
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    resume: str = "auto"
-    keep: int = 3
-    path: str | None = None
-    every_steps: int = 0  # also checkpoint every N optimizer steps (0: only at epoch ends)
-    every_minutes: float = 0.0  # also checkpoint every N minutes of training (0: off)
+    """Saving and resuming."""
+
+    resume: str = opt(
+        "auto",
+        "auto (the newest complete checkpoint in out_dir, if any), none, or a checkpoint file",
+        nonblank=True,
+    )
+    keep: int = opt(3, "epoch checkpoints to keep (last.pt and best.pt besides)", gt=0)
+    path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
+    every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)
+    every_minutes: float = opt(0.0, "also checkpoint every N minutes of training (0: off)", ge=0)
 
 
 @dataclass
 class EvalConfig:
-    every: int = 1
-    batch_size: int | None = None  # None: train.batch_size
+    """Validation: every validation sample is scored exactly once, whatever the world size."""
+
+    every: int = opt(1, "evaluate every N epochs (and always after the last)", gt=0)
+    batch_size: int | None = opt(None, "samples per process per forward; null: train.batch_size", gt=0)
 
 
 @dataclass
 class Config:
-    out_dir: str = "runs/default"
-    seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    """A whole run's config: the top-level keys, then one dataclass per section."""
+
+    out_dir: str = opt(
+        "runs/default",
+        "the run directory: config.yaml, log.txt, metrics.jsonl and checkpoints/",
+        nonblank=True,
+        aka=("output_dir",),
+    )
+    seed: int = opt(
+        0,
+        "base seed: initial weights, data order and each rank's augmentation derive from it",
+        ge=-(2**63),
+        lt=2**63,  # a 64-bit integer, which torch.manual_seed accepts
+    )
+    data: DataConfig = section(DataConfig)
+    model: ModelConfig = section(ModelConfig)
+    train: TrainConfig = section(TrainConfig)
+    optim: OptimConfig = section(OptimConfig)
+    dist: DistConfig = section(DistConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    eval: EvalConfig = section(EvalConfig, "test")
 
 
-def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the schema."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        if dataclasses.is_dataclass(
-            f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        ):
-            keys.extend(valid_keys(f.default_factory, name + "."))
-        else:
-            keys.append(name)
-    return keys
+@functools.cache
+def _sections() -> dict[str, dataclasses.Field]:
+    """Section name -> its field in Config (default_factory: the section's dataclass; metadata: its aka names)."""
+    return {f.name: f for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
 
 
-def _sections() -> set[str]:
-    return {k.split(".")[0] for k in valid_keys() if "." in k}
-
-
-def _check_key(key: str) -> None:
-    keys = valid_keys()
-    if key in keys:
-        return
-    if key in _sections():
-        raise UserError(
-            f"config key '{key}' is a section, not a value",
-            f"set one of its keys, e.g. {key}.{_first_in(key)}=...",
-        )
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if not close:  # try matching the last part alone, e.g. 'batchsize' -> train.batch_size
-        tail = key.split(".")[-1]
-        by_tail = {k.split(".")[-1]: k for k in keys}
-        hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.6)
-        close = [by_tail[hit[0]]] if hit else []
-    hint = f"did you mean '{close[0]}'?" if close else "see `ddpkit train --help-config` for the valid keys"
-    raise UserError(f"unknown config key '{key}'", hint)
-
-
-def _first_in(section: str) -> str:
-    return next(k for k in valid_keys() if k.startswith(section + ".")).split(".", 1)[1]
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and key in _sections():
-                out.update(_flatten(v, key + "."))
-            else:
-                out[key] = v
+@functools.cache
+def _specs() -> dict[str, Spec]:
+    """Every dotted leaf key -> its Spec, in schema order."""
+    out: dict[str, Spec] = {}
+    for prefix, cls in [("", Config)] + [(f"{n}.", f.default_factory) for n, f in _sections().items()]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default_factory is dataclasses.MISSING:
+                out[prefix + f.name] = spec_of(prefix + f.name, f, hints[f.name])
     return out
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    if not os.path.isfile(path):
-        raise UserError(f"config file '{path}' does not exist", "check the path given to -c")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(
-            f"cannot read config file '{path}': {e}", "check the file's permissions and encoding"
-        ) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"config file '{path}' is not valid YAML{where}", "fix the YAML syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"config file '{path}' must hold a mapping of keys", "write `key: value` lines")
-    return data
+def valid_keys() -> list[str]:
+    """Every dotted leaf key of the schema, in schema order."""
+    return list(_specs())
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
@@ -188,7 +225,9 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         if "=" not in item or item.startswith("="):
-            raise UserError(f"expected KEY=VALUE, got '{item}'", "write overrides as e.g. train.epochs=5")
+            raise UserError(
+                f"expected KEY=VALUE, got {shown(item)}", "write overrides as e.g. train.epochs=5"
+            )
         key, value = item.split("=", 1)
         out[key.strip()] = value
     return out
@@ -198,126 +237,121 @@ def load_config(
     file: str | None = None, overrides: list[str] | None = None, base: dict | None = None
 ) -> Config:
     """Schema defaults <- `base` (e.g. a checkpoint's config) <- YAML file <- KEY=VALUE overrides; typed, validated."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    layers = []
-    if base:
-        known = set(valid_keys())
-        layers.append({k: v for k, v in _flatten(base).items() if k in known})
-    if file:
-        raw = _flatten(_read_yaml(file))
-        for key in raw:
-            _check_key(key)
-        layers.append(raw)
-    over = parse_overrides(overrides or [])
-    for key in over:
-        _check_key(key)
-    if over:
-        # YAML-parse each value, as OmegaConf's dotlist does, so `null`, `true`, `1e-3` mean what they say.
-        import yaml
-
-        parsed = {}
-        for k, v in over.items():
-            try:
-                parsed[k] = yaml.safe_load(v) if v.strip() != "" else ""
-            except yaml.YAMLError:
-                parsed[k] = v
-        layers.append(parsed)
-
-    cfg = OmegaConf.structured(Config)
-    for layer in layers:
-        for key, value in layer.items():
-            try:
-                OmegaConf.update(cfg, key, value, merge=False)
-            except OmegaConfBaseException as e:
-                expected = _type_name(key)
-                raise UserError(
-                    f"config key '{key}' expects {expected}, got {value!r}",
-                    f"give {key} {_an(expected)} value",
-                ) from e
-    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    validate(obj)
-    return obj
-
-
-def _type_name(key: str) -> str:
-    cls: Any = Config
-    parts = key.split(".")
-    for p in parts[:-1]:
-        cls = {f.name: f for f in dataclasses.fields(cls)}[p].default_factory
-    f = {f.name: f for f in dataclasses.fields(cls)}[parts[-1]]
-    t = str(f.type).replace("Optional[", "").rstrip("]")
-    names = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-    out = names.get(t, t)
-    return out + (" or null" if "Optional" in str(f.type) else "")
-
-
-def _an(expected: str) -> str:
-    return "a valid" if expected.startswith(("a ", "an ")) else "a"
-
-
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), choices, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(choices)
-        raise UserError(f"{key} must be one of {', '.join(choices)}, got '{value}'", hint)
-
-
-def _positive(key: str, value: float | None, allow_zero: bool = False, allow_none: bool = False) -> None:
-    if value is None:
-        if allow_none:
-            return
-        raise UserError(f"{key} must be set", f"give {key} a value")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise UserError(f"{key} must be {bound}, got {value}", f"set {key} to a value {bound}")
-
-
-def validate(cfg: Config) -> None:
-    """Values the types alone cannot check; raises UserError naming the key."""
-    _choice("data.dataset", cfg.data.dataset, DATASETS)
-    _choice("train.amp", cfg.train.amp, AMP_MODES)
-    _choice("optim.name", cfg.optim.name, OPTIMIZERS)
-    _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    _choice("dist.backend", cfg.dist.backend, BACKENDS)
-    _choice("dist.device", cfg.dist.device, DEVICES)
-    _choice("dist.strategy", cfg.dist.strategy, STRATEGIES)
-    _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
-    if not cfg.out_dir.strip():
-        raise UserError("out_dir must not be empty", "set out_dir=runs/NAME")
-    _positive("data.num_workers", cfg.data.num_workers, allow_zero=True)
-    _positive("data.synthetic_size", cfg.data.synthetic_size)
-    _positive("data.synthetic_val_size", cfg.data.synthetic_val_size)
-    _positive("data.image_size", cfg.data.image_size, allow_none=True)
-    _positive("model.num_classes", cfg.model.num_classes, allow_none=True)
-    _positive("train.epochs", cfg.train.epochs)
-    _positive("train.max_steps", cfg.train.max_steps, allow_none=True)
-    _positive("train.batch_size", cfg.train.batch_size)
-    _positive("train.grad_accum_steps", cfg.train.grad_accum_steps)
-    _positive("train.log_every", cfg.train.log_every)
-    _positive("train.clip_grad_norm", cfg.train.clip_grad_norm, allow_none=True)
-    if not 0.0 <= cfg.train.label_smoothing < 1.0:
-        raise UserError(
-            f"train.label_smoothing must be in [0, 1), got {cfg.train.label_smoothing}", "use e.g. 0.1"
+    specs = _specs()
+    merged: dict[str, Any] = {}
+    if isinstance(base, dict):
+        merged.update(
+            {k: v for k, v in _flatten(base, "the checkpoint's config", known=True).items() if k in specs}
         )
-    _positive("optim.lr", cfg.optim.lr)
-    _positive("optim.ref_batch_size", cfg.optim.ref_batch_size, allow_none=True)
-    _positive("optim.warmup_epochs", cfg.optim.warmup_epochs, allow_zero=True)
-    _positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
-    _positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
-    _positive("optim.step_size", cfg.optim.step_size)
-    _positive("optim.step_gamma", cfg.optim.step_gamma)
-    _positive("dist.timeout_s", cfg.dist.timeout_s)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
-    _positive("checkpoint.every_minutes", cfg.checkpoint.every_minutes, allow_zero=True)
-    _positive("eval.every", cfg.eval.every)
-    _positive("eval.batch_size", cfg.eval.batch_size, allow_none=True)
+    from_file: dict[str, Any] = {}
+    if file:
+        from ddpkit.config_yaml import read_config_file
+
+        from_file = _flatten(read_config_file(file), f"config file {shown(file)}")
+    over = parse_overrides(overrides or [])
+    _check_keys([(k, f"in {shown(file)}") for k in from_file] + [(k, "on the command line") for k in over])
+    merged.update(from_file)
+    merged.update({k: _override_value(specs[k], v) for k, v in over.items()})
+    values = {k: check_value(spec, merged.get(k, spec.default)) for k, spec in specs.items()}
+    nested: dict[str, Any] = {n: {} for n in _sections()}
+    for key, value in values.items():
+        sec, _, name = key.rpartition(".")
+        (nested[sec] if sec else nested)[name] = value
+    cfg = Config(
+        **{k: _sections()[k].default_factory(**v) if k in _sections() else v for k, v in nested.items()}
+    )
     if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":
         raise UserError(
             "dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU"
         )
+    from ddpkit.data.registry import get_dataset  # the registry knows every data set, built-in or not
+
+    get_dataset(cfg.data.dataset)
+    return cfg
+
+
+def _flatten(tree: dict, name: str, known: bool = False, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> {dotted key: value}; `known`: descend into the schema's sections only."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = prefix + str(k)
+        section = key in _sections()
+        # descend into sections, and into unknown non-empty mappings (TRAIN: {BATCH_SIZE: ..} -> TRAIN.BATCH_SIZE)
+        descend = isinstance(v, dict) and (section or (not known and v and key not in _specs()))
+        for dotted, value in _flatten(v, name, known, key + ".").items() if descend else [(key, v)]:
+            if dotted in out:
+                raise UserError(f"{name} sets {shown(dotted)} twice", "keep one of them")
+            out[dotted] = value
+    return out
+
+
+def _override_value(spec: Spec, raw: str) -> Any:
+    """A KEY=VALUE value read as YAML (so null, true, 1e-3 mean what they say); string keys keep the text as typed."""
+    if len(raw) > MAX_TEXT:
+        raise UserError(f"the value of {spec.key} is {len(raw)} characters long", f"give at most {MAX_TEXT}")
+    if raw.strip() == "":
+        return ""
+    from ddpkit.config_yaml import NotYAML, parse_yaml
+
+    try:
+        value = parse_yaml(raw, f"the value of {spec.key}")
+    except NotYAML:
+        return raw
+    keep_text = spec.base is str and value is not None and not isinstance(value, (str, list, dict))
+    return raw.strip() if keep_text else value
+
+
+def _check_keys(found: list[tuple[str, str]]) -> None:
+    """One UserError naming every key that is not in the schema (found: (key, where)), each with the closest one."""
+    bad = [(k, where) for k, where in found if k not in _specs()]
+    if not bad:
+        return
+    see = "`ddpkit train --help-config` lists every key"
+    if len(bad) == 1:
+        key, where = bad[0]
+        if key in _sections():
+            first = next(k for k in _specs() if k.startswith(key + "."))
+            raise UserError(
+                f"config key '{key}' is a section, not a value", f"set one of its keys, e.g. {first}=..."
+            )
+        close = _closest(key)
+        raise UserError(
+            f"unknown config key {shown(key)} {where}", f"did you mean '{close}'?" if close else see
+        )
+    groups: dict[str, list[str]] = {}
+    for key, where in bad[:20]:
+        close = _closest(key)
+        hint = (
+            "a section, not a value" if key in _sections() else f"did you mean '{close}'?" if close else "?"
+        )
+        groups.setdefault(where, []).append(f"{shown(key)} ({hint})")
+    listed = "; ".join(f"{where}: " + ", ".join(items) for where, items in groups.items())
+    more = f"; and {len(bad) - 20} more" if len(bad) > 20 else ""
+    raise UserError(f"{len(bad)} unknown config keys {listed}{more}", see)
+
+
+def _closest(key: str) -> str | None:
+    """The valid key the user most likely meant: case-insensitive, then other frameworks' names, then spelling."""
+    specs = _specs()
+    if len(key) > 200:  # no valid key is that long; difflib's time grows with the length
+        return None
+    low = key.lower().replace("-", "_")
+    if low in specs:
+        return low
+    parts = low.rsplit(".", 1)
+    sec_aka = {a: n for n, f in _sections().items() for a in (n, *f.metadata["aka"])}
+    sec = sec_aka.get(parts[0]) if len(parts) == 2 else None
+    tail = parts[-1]
+    pool = [s for s in specs.values() if sec is None or s.key.startswith(sec + ".")]
+    for s in pool + list(specs.values()):
+        if tail == s.key.rsplit(".", 1)[-1] or tail in s.meta.aka:
+            return s.key
+    close = difflib.get_close_matches(low if sec is None else f"{sec}.{tail}", list(specs), n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    by_tail = {s.key.rsplit(".", 1)[-1]: s.key for s in reversed(pool)}
+    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.6)
+    return by_tail[hit[0]] if hit else None
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -326,12 +360,43 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Config) -> str:
+    """The config as YAML, in schema order (what out_dir/config.yaml holds)."""
     import yaml
 
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+_INTRO = """\
+# Config keys
+
+A run's config is the defaults below, then a YAML file (`-c FILE.yaml`: nested sections or dotted keys), then
+`KEY=VALUE` overrides on the command line (dotted keys); the later one wins. `out_dir/config.yaml` records the
+result. This page is the output of `ddpkit train --help-config`.
+
+Words: a *micro-batch* is what one process feeds forward at once (`train.batch_size` samples); an *optimizer
+step* is one update, after `train.grad_accum_steps` micro-batches; the *global batch* is `train.batch_size` x
+world_size x `train.grad_accum_steps` samples per optimizer step.
+
+Values: `null` means "not set" where a key allows it; numbers must be finite (nan and inf are refused);
+strings hold at most {max_text} characters, no control characters and no `${{` (nothing is interpolated).
+Every unknown key is reported at once, each with the closest valid key. A config file holds at most {max_mib} MiB,
+{max_nodes} values (aliases counted at their expanded size) and {max_depth} levels of nesting, and never the same
+key twice."""
+
+
 def describe_keys() -> str:
-    """Every key with its default, for --help-config."""
-    defaults = _flatten(to_dict(Config()))
-    return "\n".join(f"{k} = {defaults[k]!r}" for k in valid_keys())
+    """The config reference in Markdown: every key with its default, type and meaning (docs/config.md)."""
+    from ddpkit import config_yaml as y
+
+    limits = {"max_mib": y.MAX_FILE_BYTES >> 20, "max_nodes": y.MAX_NODES, "max_depth": y.MAX_DEPTH}
+    lines = [_INTRO.format(max_text=MAX_TEXT, **limits)]
+    titles = {"": "Top level"} | {n: f"`{n}`: {f.default_factory.__doc__}" for n, f in _sections().items()}
+    for sec, title in titles.items():
+        lines += ["", f"## {title}", ""]
+        for spec in _specs().values():
+            if spec.key.rpartition(".")[0] == sec:
+                lines += [
+                    f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):",
+                    f"  {spec.meta.meaning}",
+                ]
+    return "\n".join(lines)
