@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The suite runs 3 and 4 processes on a 2-core machine on purpose (odd world sizes, prime-sized shards);
+# test_more_processes_than_cores_is_refused unsets it.
+os.environ.setdefault("DDPKIT_OVERSUBSCRIBE", "1")
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -215,3 +215,23 @@ def test_worker_argv_strips_only_launch_flags():
         "u",
     ]
     assert worker_argv(argv) == ["train", "-c", "x.yaml", "a.b=1", "--init-method", "u"]
+
+
+@pytest.mark.parametrize("command", ["info", "run"])
+def test_more_processes_than_cores_is_refused_with_the_numbers(tmp_path, command):
+    script = tmp_path / "s.py"
+    script.write_text("print('started')\n")
+    extra = [str(script)] if command == "run" else []
+    env = {k: v for k, v in cli_env().items() if k != "DDPKIT_OVERSUBSCRIBE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", command, "--nproc-per-node", "1000", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    cores = os.cpu_count()
+    assert_user_error(
+        proc, f"1000 processes on this node but it has only {cores} CPU core(s)", "DDPKIT_OVERSUBSCRIBE=1"
+    )
+    assert "started" not in proc.stdout

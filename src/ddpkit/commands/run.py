@@ -121,6 +121,12 @@ def run_command(argv: Sequence[str]) -> int:
     _check_target(target)
     if not spec.starts_workers:
         _exec(target)
+    import torch
+
+    from ddpkit.distributed.runtime import check_cpu_processes
+
+    if not torch.cuda.is_available():
+        check_cpu_processes(spec.nproc_per_node or 1)
     try:
         if spec.launcher == "spawn":
             launch_spawn(spec, target, run_python)

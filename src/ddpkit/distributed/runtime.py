@@ -39,6 +39,20 @@ class DistContext:
         return iter((self.rank, self.local_rank, self.world_size, self.device, self.backend))
 
 
+OVERSUBSCRIBE_VAR = "DDPKIT_OVERSUBSCRIBE"
+
+
+def check_cpu_processes(nproc: int) -> None:
+    """Refuse more CPU processes on this node than it has cores (a thousand torch imports on two cores is a
+    typo, not a plan), unless DDPKIT_OVERSUBSCRIBE=1 says the user means it."""
+    cores = os.cpu_count() or 1
+    if nproc > cores and os.environ.get(OVERSUBSCRIBE_VAR) != "1":
+        raise UserError(
+            f"{nproc} processes on this node but it has only {cores} CPU core(s) and no GPU",
+            f"start at most {cores} per node, or set {OVERSUBSCRIBE_VAR}=1 if you mean to share the cores",
+        )
+
+
 def resolve_device_backend(
     env: DistEnv, backend: str = "auto", device: str = "auto"
 ) -> tuple[str, torch.device]:
@@ -59,6 +73,7 @@ def resolve_device_backend(
             )
         dev = torch.device("cuda", env.local_rank)
     else:
+        check_cpu_processes(env.local_world_size)
         dev = torch.device("cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" and dist.is_nccl_available() else "gloo"
