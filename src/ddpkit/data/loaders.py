@@ -1,0 +1,315 @@
+"""Loaders: the training loader over a GlobalOrderSampler, the exact evaluation loader, and the conversion of a
+user's own DataLoader into one of them (what `ddpkit.prepare` does with loaders)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+
+from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
+from ddpkit.distributed.collectives import derive_seed, get_rank, get_world_size
+from ddpkit.errors import UserError
+
+if TYPE_CHECKING:
+    from ddpkit.config import Config
+
+# DataLoader arguments a converted loader keeps (everything but how the indices are chosen).
+KEPT_ARGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+class _SeedWorker:
+    """worker_init_fn: seed python `random` and numpy from the worker's torch seed, then the user's own fn."""
+
+    def __init__(self, user_fn: Callable[[int], Any] | None = None):
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        s = torch.initial_seed() % 2**32
+        random.seed(s)
+        np.random.seed(s)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _loader_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped."""
+    out = dict(kwargs)
+    workers = int(out.get("num_workers") or 0)
+    if out.get("pin_memory") and not torch.cuda.is_available():
+        out["pin_memory"] = False  # pinning without a GPU only costs memory (and warns)
+        out.pop("pin_memory_device", None)
+    if not workers:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "timeout"):
+            out.pop(key, None)
+    out["worker_init_fn"] = _SeedWorker(out.get("worker_init_fn")) if workers else out.get("worker_init_fn")
+    return out
+
+
+class DistributedLoader:
+    """A DataLoader over a GlobalOrderSampler: set_epoch is automatic, worker seeds differ per (seed, rank,
+    epoch), and its position (epoch, samples consumed) can be saved and restored.
+
+    `set_epoch(e)` on the loader or on `loader.sampler` chooses the next pass's epoch, as with
+    DistributedSampler; without it, every pass (even one broken early) moves on to the next epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        grad_accum_steps: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **loader_kwargs: Any,
+    ):
+        if isinstance(dataset, IterableDataset):
+            raise UserError(
+                "a distributed loader needs a map-style data set (with __len__ and __getitem__), got an IterableDataset",
+                "shard an IterableDataset yourself with ddpkit.get_rank() / ddpkit.get_world_size()",
+            )
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.rank = get_rank() if rank is None else int(rank)
+        self.world_size = get_world_size() if world_size is None else int(world_size)
+        self.sampler = GlobalOrderSampler(
+            len(dataset),  # type: ignore[arg-type]
+            batch_size,
+            self.rank,
+            self.world_size,
+            seed,
+            shuffle=shuffle,
+            grad_accum_steps=grad_accum_steps,
+            drop_last=drop_last,
+        )
+        self._user_generator = loader_kwargs.get("generator") is not None
+        kwargs = _loader_kwargs(loader_kwargs)
+        kwargs.setdefault("generator", self._generator(0))
+        self.loader = DataLoader(
+            dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=False, **kwargs
+        )
+        self.num_workers = self.loader.num_workers
+        self._running: tuple[int, int] | None = None  # (epoch, start) of the pass in progress
+        self._done = 0  # micro-batches the pass in progress (or the last one) has yielded
+        self._stopped: tuple[int, int, int] | None = (
+            None  # (epoch, consumed, explicit) of a pass broken early
+        )
+
+    def _generator(self, epoch: int) -> torch.Generator:
+        return torch.Generator().manual_seed(derive_seed(self.seed, self.rank, epoch))
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next pass."""
+        return self.sampler.epoch
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches per rank in a whole epoch."""
+        return self.sampler.micro_batches_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch`'s order for the next pass (from its beginning)."""
+        self.sampler.set_epoch(epoch)
+
+    def set_start(self, consumed: int) -> None:
+        """Skip the first `consumed` samples of the next pass's global order (mid-epoch resume)."""
+        self.sampler.set_start(consumed)
+        self._stopped = None
+
+    def __len__(self) -> int:
+        return self.sampler.num_micro_batches(self.sampler.start)
+
+    def _consumed(self, start: int) -> int:
+        return min(start + self._done * self.sampler.global_batch, self.sampler._length())
+
+    def state_dict(self) -> dict[str, int]:
+        """{"epoch", "consumed"}: where the next sample comes from (mid-pass: the current position; after a
+        pass broken early: where it stopped)."""
+        if self._running is not None:
+            epoch, start = self._running
+            return {"epoch": epoch, "consumed": self._consumed(start)}
+        if self._stopped is not None and self._stopped[2] == self.sampler.explicit:  # nobody chose since
+            return {"epoch": self._stopped[0], "consumed": self._stopped[1]}
+        return {"epoch": self.sampler.epoch, "consumed": self.sampler.start}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a state_dict(): the next pass is that epoch, from that sample."""
+        self.set_epoch(int(state["epoch"]))
+        self.set_start(int(state.get("consumed", 0)))
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        epoch, explicit, start = s.epoch, s.explicit, s.start
+        if not self._user_generator:
+            # Worker seeds are drawn from this generator when workers start (persistent workers: once).
+            self.loader.generator = self._generator(epoch)
+        self._running, self._done, self._stopped = (epoch, start), 0, None
+        total = len(self)
+        try:
+            for batch in self.loader:
+                self._done += 1
+                yield batch
+        finally:
+            self._running = None
+            if s.explicit == explicit:  # nobody chose the next epoch during the pass: move on
+                if self._done < total:
+                    self._stopped = (epoch, self._consumed(start), explicit)
+                s.epoch = epoch + 1
+            if s.start_epoch == epoch:  # this pass used the resume position: it is spent
+                s.start = 0
+
+
+def distributed_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    grad_accum_steps: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **loader_kwargs: Any,
+) -> DistributedLoader:
+    """A training loader: this rank's share of the global order, batch_size per process, set_epoch automatic.
+
+    Takes every DataLoader keyword argument (num_workers, collate_fn, pin_memory, persistent_workers, ...).
+    """
+    if loader_kwargs.get("num_workers"):
+        loader_kwargs.setdefault("persistent_workers", True)
+    return DistributedLoader(
+        dataset,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        grad_accum_steps=grad_accum_steps,
+        rank=rank,
+        world_size=world_size,
+        **loader_kwargs,
+    )
+
+
+def eval_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """An evaluation loader: every sample exactly once over all ranks (no padding, no duplicates).
+
+    The shards are contiguous and in rank order, so `ddpkit.gather` of per-sample results is in data set order.
+    """
+    rank = get_rank() if rank is None else rank
+    world_size = get_world_size() if world_size is None else world_size
+    sampler = ExactEvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **_loader_kwargs(loader_kwargs)
+    )
+
+
+def _kept(loader: DataLoader) -> dict[str, Any]:
+    out = {}
+    for name in KEPT_ARGS:
+        if hasattr(loader, name):
+            out[name] = getattr(loader, name)
+    if out.get("num_workers", 0) == 0:
+        out.pop("prefetch_factor", None)
+    return out
+
+
+def convert_loader(
+    loader: DataLoader, *, seed: int = 0, rank: int | None = None, world_size: int | None = None
+):
+    """A user's DataLoader re-made as a distributed one that keeps all its other arguments.
+
+    shuffle=True (a RandomSampler) -> a DistributedLoader (training: the global order, set_epoch automatic);
+    shuffle=False (a SequentialSampler) -> an exact evaluation loader (every sample once over all ranks), or,
+    with drop_last=True, an unshuffled DistributedLoader. Any other sampler, a batch_sampler of the user's own
+    or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
+    """
+    if isinstance(loader, DistributedLoader):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"expected a torch DataLoader, got {type(loader).__name__}")
+    if isinstance(loader.dataset, IterableDataset):
+        raise UserError(
+            "ddpkit.prepare cannot shard a DataLoader over an IterableDataset",
+            "shard it inside the data set with ddpkit.get_rank() / ddpkit.get_world_size(), and leave it out of prepare()",
+        )
+    sampler = loader.sampler
+    if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
+        raise UserError(
+            "ddpkit.prepare cannot shard a DataLoader built with a batch_sampler of its own",
+            "give the DataLoader batch_size= and shuffle= instead, or shard the batches yourself with ddpkit.get_rank()",
+        )
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        raise UserError(
+            f"ddpkit.prepare cannot shard a DataLoader with a {type(sampler).__name__}",
+            "use shuffle=True or shuffle=False (ddpkit shards them), or build the loader with ddpkit.distributed_loader",
+        )
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+        raise UserError(
+            "ddpkit.prepare cannot shard a RandomSampler with replacement or num_samples",
+            "use shuffle=True without them, or shard the loader yourself",
+        )
+    kwargs = _kept(loader)
+    shuffle = isinstance(sampler, RandomSampler)
+    if shuffle or loader.drop_last:
+        return DistributedLoader(
+            loader.dataset,
+            loader.batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            rank=rank,
+            world_size=world_size,
+            **kwargs,
+        )
+    return eval_loader(loader.dataset, loader.batch_size, rank=rank, world_size=world_size, **kwargs)
+
+
+def build_loaders(
+    cfg: Config, rank: int, world_size: int, train_ds: Dataset, val_ds: Dataset
+) -> tuple[DistributedLoader, DataLoader]:
+    """The trainer's (train, val) loaders from cfg.train, cfg.eval, cfg.data and cfg.seed."""
+    workers = cfg.data.num_workers
+    common = {"num_workers": workers, "pin_memory": cfg.data.pin_memory, "persistent_workers": workers > 0}
+    train = DistributedLoader(
+        train_ds,
+        cfg.train.batch_size,
+        shuffle=True,
+        seed=cfg.seed,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        rank=rank,
+        world_size=world_size,
+        **common,
+    )
+    val = eval_loader(
+        val_ds, cfg.eval.batch_size or cfg.train.batch_size, rank=rank, world_size=world_size, **common
+    )
+    return train, val

@@ -1,0 +1,193 @@
+"""The data set registry: one entry per data set (name, label, on-disk layout, availability check, builder).
+
+Adding a data set is one `DatasetEntry` passed to `register_dataset`, from inside ddpkit or from a package of
+your own (an entry point in the `ddpkit.datasets` group, loaded when its name is first asked for). Importing the
+registry imports no torch, so the config can check a data set's name cheaply.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ddpkit.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from ddpkit.config import Config
+
+ENTRY_POINT_GROUP = "ddpkit.datasets"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the model needs to know about the data: classes, channels, image side, split sizes."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+    train_size: int
+    val_size: int
+
+
+@dataclass(frozen=True)
+class Splits:
+    """What a builder returns: the train set (augmented when cfg.data.augment), the val set, and their shape."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One data set: `build(cfg) -> Splits`; `check(cfg)` looks at files only and raises UserError."""
+
+    name: str
+    build: Callable[[Config], Splits]
+    label: str = ""
+    layout: str = ""  # the on-disk layout under data.root, shown in error messages
+    check: Callable[[Config], None] | None = None
+    missing: Callable[[str], list[str]] | None = None  # files missing under a root (for download messages)
+    downloads: bool = False  # data.download applies: rank 0 downloads while the others wait
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+
+_REGISTRY: dict[str, DatasetEntry] = {}
+
+
+def register_dataset(entry: DatasetEntry, *, replace: bool = False) -> DatasetEntry:
+    """Make `entry.name` a valid data.dataset; refuses to shadow a registered name unless replace=True."""
+    if entry.name in _REGISTRY and not replace and _REGISTRY[entry.name] is not entry:
+        raise ValueError(f"data set '{entry.name}' is already registered")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def _load_builtin() -> None:
+    from ddpkit.data import builtin, vision  # noqa: F401  (their entries register themselves)
+
+
+def _from_entry_points(name: str) -> DatasetEntry | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            obj = ep.load()
+            entry = obj() if callable(obj) and not isinstance(obj, DatasetEntry) else obj
+            if not isinstance(entry, DatasetEntry):
+                raise UserError(
+                    f"entry point '{ep.value}' for data set '{name}' gave {type(entry).__name__}",
+                    "it must name a ddpkit.data.DatasetEntry (or a function returning one)",
+                )
+            return register_dataset(entry, replace=True)
+    return None
+
+
+def dataset_names() -> list[str]:
+    """Every registered data set name (built-in ones first)."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get_dataset(name: str) -> DatasetEntry:
+    """The entry for data.dataset `name`; UserError naming the valid ones when there is none."""
+    _load_builtin()
+    entry = _REGISTRY.get(name) or _from_entry_points(name)
+    if entry is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(_REGISTRY)
+        raise UserError(f"unknown data.dataset '{name}'", hint)
+    return entry
+
+
+def check_available(cfg: Config) -> None:
+    """Raise UserError when cfg.data's data set cannot be loaded; looks at files only, loads nothing."""
+    entry = get_dataset(cfg.data.dataset)
+    if entry.check is not None:
+        entry.check(cfg)
+
+
+# What reading a damaged or foreign file raises inside torchvision and numpy.
+_READ_ERRORS = (
+    OSError,
+    RuntimeError,
+    ValueError,
+    TypeError,
+    KeyError,
+    EOFError,
+    AssertionError,
+    pickle.UnpicklingError,
+)
+
+
+def _load_error(entry: DatasetEntry, cfg: Config, e: BaseException) -> UserError:
+    """A one-line UserError for a failed download or an unreadable file."""
+    root = cfg.data.root
+    detail = f"{type(e).__name__}: " + first_line(e, limit=300, joined=True)
+    if cfg.data.download and entry.downloads and entry.missing is not None and entry.missing(root):
+        return UserError(
+            f"downloading the {entry.title} data into data.root '{root}' failed: {detail}",
+            f"check the network, or put the files there yourself as {entry.layout} and set data.download=false",
+        )
+    return UserError(
+        f"cannot read the {entry.title} data under data.root '{root}': {detail}",
+        f"the files are damaged or not laid out as {entry.layout}; replace them",
+    )
+
+
+def _labels_present(ds: Dataset) -> int:
+    """1 + the largest label of a torchvision-style data set (0 when unknown or empty)."""
+    targets: Any = getattr(ds, "targets", None)
+    if targets is None:
+        targets = getattr(ds, "labels", None)
+    if targets is None or len(targets) == 0:
+        return 0
+    import torch
+
+    return int(torch.as_tensor(targets).max().item()) + 1
+
+
+def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
+    """(train set, augmented when cfg.data.augment; val set, never augmented; DataSpec) for cfg.data."""
+    from ddpkit.distributed.collectives import rank_zero_first
+
+    entry = get_dataset(cfg.data.dataset)
+    check_available(cfg)
+    try:
+        if entry.downloads and cfg.data.download:
+            with rank_zero_first():  # rank 0 downloads and unpacks, the others wait and then read
+                splits = entry.build(cfg)
+        else:
+            splits = entry.build(cfg)
+    except UserError:
+        raise
+    except _READ_ERRORS as e:
+        if not entry.layout:  # the entry reads no files of the user's: a bug, not a user error
+            raise
+        raise _load_error(entry, cfg, e) from None
+    present = max(splits.num_classes, _labels_present(splits.train), _labels_present(splits.val))
+    want = cfg.model.num_classes
+    if want is not None and want < present:
+        raise UserError(
+            f"model.num_classes={want} but the {entry.title} data has {present} classes",
+            f"set model.num_classes={present} or leave it unset (null) to take it from the data",
+        )
+    spec = DataSpec(
+        num_classes=present,
+        in_channels=splits.in_channels,
+        image_size=splits.image_size,
+        train_size=len(splits.train),  # type: ignore[arg-type]
+        val_size=len(splits.val),  # type: ignore[arg-type]
+    )
+    return splits.train, splits.val, spec

@@ -1,0 +1,165 @@
+"""Samplers: a rank's share of one global training order, and exact (duplicate-free) evaluation shards.
+
+Training order: the order torch's `DistributedSampler(shuffle=True, seed=seed)` gives — a permutation of the
+whole data set seeded with `seed + epoch`, rank r taking every world_size-th sample from position r — so a
+script ported from the tutorials' DistributedSampler sees the very same batches. One global micro-batch is
+`batch_size x world_size` consecutive positions of that order, whatever the world size: 1 process with batch
+2B sees at every step the samples 2 processes with batch B see, and a run can stop mid-epoch and resume on
+another world size without seeing a sample twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from ddpkit.errors import UserError
+
+
+class GlobalOrderSampler(Sampler[int]):
+    """This rank's share of the epoch's global order; every rank runs the same number of micro-batches.
+
+    drop_last=True: the incomplete last global micro-batch is dropped (and the micro-batches are cut to a
+    multiple of grad_accum_steps, so every optimizer step is whole). drop_last=False: as DistributedSampler,
+    the order is padded with its own first samples to a multiple of world_size and the last micro-batch is
+    smaller.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        grad_accum_steps: int = 1,
+        drop_last: bool = True,
+    ):
+        if batch_size < 1 or world_size < 1 or grad_accum_steps < 1:
+            raise ValueError("batch_size, world_size and grad_accum_steps must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.dataset_len = int(dataset_len)
+        self.batch_size = int(batch_size)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.start = 0  # positions of the epoch's global order already consumed (mid-epoch resume)
+        self.start_epoch = 0  # the epoch `start` belongs to
+        self.explicit = 0  # how often set_epoch was called: a loader auto-advances only when nobody did
+        need = self.global_batch * self.grad_accum_steps if self.drop_last else self.world_size
+        if self.dataset_len < need:
+            accum = f" x train.grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
+            raise UserError(
+                f"the training set has {self.dataset_len} samples, fewer than one optimizer step takes "
+                f"(train.batch_size {self.batch_size} x world size {self.world_size}{accum} = {need})",
+                "lower train.batch_size"
+                + (" or train.grad_accum_steps" if accum else "")
+                + ", or use fewer processes",
+            )
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per global micro-batch: batch_size x world_size."""
+        return self.batch_size * self.world_size
+
+    def _length(self) -> int:
+        """Positions of the (padded) global order an epoch uses."""
+        if self.drop_last:
+            return self.dataset_len
+        return math.ceil(self.dataset_len / self.world_size) * self.world_size
+
+    def num_micro_batches(self, consumed: int = 0) -> int:
+        """Micro-batches every rank runs over the epoch's order after skipping `consumed` positions."""
+        rest = max(0, self._length() - consumed)
+        if not self.drop_last:
+            return math.ceil(rest // self.world_size / self.batch_size)
+        n = rest // self.global_batch
+        return n - n % self.grad_accum_steps
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches per rank in a whole epoch."""
+        return self.num_micro_batches(0)
+
+    @property
+    def optimizer_steps_per_epoch(self) -> int:
+        """Optimizer steps in a whole epoch (micro-batches / grad_accum_steps, rounded up)."""
+        return math.ceil(self.micro_batches_per_epoch / self.grad_accum_steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch`'s order for the next pass (DistributedSampler's method), from its beginning — or,
+        right after a mid-epoch resume of that same epoch (set_start), from where the resume points."""
+        self.epoch = int(epoch)
+        if self.epoch != self.start_epoch:
+            self.start = 0
+        self.explicit += 1
+
+    def set_start(self, consumed: int) -> None:
+        """Skip the first `consumed` positions of this epoch's global order (mid-epoch resume)."""
+        consumed = int(consumed)
+        if not 0 <= consumed <= self._length():
+            raise UserError(
+                f"cannot resume at sample {consumed} of an epoch of {self.dataset_len} samples",
+                "the data set changed since the checkpoint; use the same data or checkpoint.resume=none",
+            )
+        self.start, self.start_epoch = consumed, self.epoch
+
+    def global_order(self) -> torch.Tensor:
+        """The whole epoch's order (padded when drop_last=False), identical on every rank and world size."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g)
+        else:
+            order = torch.arange(self.dataset_len)
+        pad = self._length() - self.dataset_len
+        if pad:
+            order = torch.cat([order, order.repeat(math.ceil(pad / self.dataset_len))[:pad]])
+        return order
+
+    def indices(self) -> list[int]:
+        """The indices this rank yields this epoch, in order."""
+        n = self.num_micro_batches(self.start)
+        if self.drop_last:
+            end = self.start + n * self.global_batch
+        else:
+            end = self._length()
+        return self.global_order()[self.start + self.rank : end : self.world_size].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_micro_batches(self.start) * self.batch_size
+        return max(0, self._length() - self.start) // self.world_size
+
+
+class ExactEvalSampler(Sampler[int]):
+    """Contiguous shards covering every index exactly once over all ranks (sizes differ by at most 1).
+
+    Shards are contiguous and in rank order, so gathering the ranks' results in rank order gives the data
+    set's order.
+    """
+
+    def __init__(self, dataset_len: int, rank: int, world_size: int):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        base, extra = divmod(int(dataset_len), int(world_size))
+        self.dataset_len, self.rank, self.world_size = int(dataset_len), int(rank), int(world_size)
+        self.begin = rank * base + min(rank, extra)
+        self.end = self.begin + base + (1 if rank < extra else 0)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.begin, self.end))
+
+    def __len__(self) -> int:
+        return self.end - self.begin
