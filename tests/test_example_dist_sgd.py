@@ -1,7 +1,8 @@
-"""examples/dist_sgd_by_hand.py: all-reducing gradients by hand gives DDP's weights (SCENARIOS.md §D.20)."""
+"""examples/12_dist_sgd_by_hand.py: all-reducing gradients by hand gives DDP's weights (SCENARIOS.md §D.20)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ import torch
 from conftest import REPO, cli_env, run_group
 
 sys.path.insert(0, str(REPO / "examples"))
-import dist_sgd_by_hand as example  # noqa: E402
+
+example = importlib.import_module("12_dist_sgd_by_hand")
 
 STEPS = 8
 
@@ -54,7 +56,7 @@ def test_hand_written_all_reduce_sgd_matches_ddp_on_two_processes():
 
 def test_example_runs_as_a_single_process_script():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "dist_sgd_by_hand.py"), "--steps", "3"],
+        [sys.executable, str(REPO / "examples" / "12_dist_sgd_by_hand.py"), "--steps", "3"],
         capture_output=True,
         text=True,
         timeout=300,

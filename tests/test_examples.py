@@ -106,7 +106,7 @@ def tiny(tmp_path, *, train_size: int = 64, epochs: int = 1, log_every: int = 50
 def test_a1_single_process_prints_the_tutorial_log_line_on_cifar10(tmp_path):
     write_cifar10(tmp_path / "cifar", per_batch=8, test=4)  # the real pickled batches: 40 training images
     out = run_example(
-        "a1_single_gpu.py",
+        "01_single_gpu.py",
         "--data=cifar10",
         f"--data-root={tmp_path / 'cifar'}",
         *tiny(tmp_path, train_size=40, epochs=2, log_every=2),
@@ -124,7 +124,7 @@ def test_a1_single_process_prints_the_tutorial_log_line_on_cifar10(tmp_path):
 
 
 def test_a2_data_parallel_is_a1_with_one_line_changed(tmp_path):
-    out = run_example("a2_data_parallel.py", *tiny(tmp_path, log_every=1))
+    out = run_example("02_data_parallel.py", *tiny(tmp_path, log_every=1))
     assert re.search(r"^nn\.DataParallel over \d+ GPU\(s\)$", out, re.M), out
     assert len(step_lines(out)) == 4  # 64 digits / 16
     state = saved_model(tmp_path / "out" / "model.pt")  # the wrapped model's own keys, no `module.`
@@ -133,7 +133,7 @@ def test_a2_data_parallel_is_a1_with_one_line_changed(tmp_path):
 
 @pytest.mark.slow
 def test_a3_torchrun_prints_once_and_counts_steps_of_the_global_batch(tmp_path):
-    out = torchrun("a3_ddp_torchrun.py", *tiny(tmp_path, train_size=100, epochs=2, log_every=2))
+    out = torchrun("03_ddp_torchrun.py", *tiny(tmp_path, train_size=100, epochs=2, log_every=2))
     assert sorted(re.findall(r"^\[init\] == local rank: (\d), global rank: (\d) ==$", out, re.M)) == [
         ("0", "0"),
         ("1", "1"),
@@ -158,7 +158,7 @@ def test_a3_torchrun_prints_once_and_counts_steps_of_the_global_batch(tmp_path):
 
 @pytest.mark.slow
 def test_a4_spawn_starts_its_own_workers(tmp_path):
-    out = run_example("a4_ddp_spawn.py", "--nproc=2", *tiny(tmp_path))
+    out = run_example("04_ddp_spawn.py", "--nproc=2", *tiny(tmp_path))
     assert len(re.findall(r"^\[init\] == local rank: \d, global rank: \d ==$", out, re.M)) == 2
     assert "steps per epoch: 2 (64 samples // global batch 32 = 16 x 2)" in out
     assert len(step_lines(out)) == 1 and out.count("saved ") == 1
@@ -191,7 +191,7 @@ def test_a5_runs_under_a_slurm_environment(tmp_path):
         SLURM_STEP_ID="0",
     )
     envs = [dict(slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)]
-    outs = run_ranks("a5_slurm.py", envs, lambda rank: tiny(tmp_path))
+    outs = run_ranks("05_slurm.py", envs, lambda rank: tiny(tmp_path))
     for rank, out in enumerate(outs):
         # the rank from SLURM_PROCID, the master from SLURM_NODELIST, the port from SLURM_JOB_ID
         assert f"[slurm] rank {rank} of 2, local rank {rank} of 2 on node 0, master localhost:{port}" in out
@@ -205,7 +205,7 @@ def test_a5_runs_under_a_slurm_environment(tmp_path):
 def test_a6_framework_takes_a_recipe_and_key_value_pairs(tmp_path):
     run_dir = tmp_path / "r"
     out = torchrun(
-        "a6_framework.py",
+        "06_framework_config.py",
         "--cfg",
         "configs/digits.yaml",
         "TRAIN.EPOCHS",
@@ -221,7 +221,7 @@ def test_a6_framework_takes_a_recipe_and_key_value_pairs(tmp_path):
 
 
 def test_a6_framework_names_a_wrong_key_and_exits_2():
-    cmd = [sys.executable, str(EXAMPLES / "a6_framework.py"), "OPTIM.BASE_LR", "6.4"]
+    cmd = [sys.executable, str(EXAMPLES / "06_framework_config.py"), "OPTIM.BASE_LR", "6.4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(), cwd=REPO)
     assert proc.returncode == 2 and "unknown config key 'optim.base_lr'" in proc.stderr, proc.stderr
 
@@ -247,7 +247,7 @@ def _assert_trained_on_rank0_only(outs: list[str], world: int) -> None:
 def test_b7_three_processes_started_by_hand_meet_over_tcp(tmp_path):
     url = f"tcp://127.0.0.1:{free_port()}"
     outs = run_ranks(
-        "b7_tcp_three_terminals.py",
+        "07_tcp_three_terminals.py",
         [{}] * 3,
         lambda r: [f"--init-method={url}", f"--rank={r}", "--world-size=3", *tiny(tmp_path, train_size=96)],
     )
@@ -260,7 +260,7 @@ def test_b7_three_processes_started_by_hand_meet_over_tcp(tmp_path):
 def test_b8_shared_file_rendezvous(tmp_path):
     url = f"file://{tmp_path / 'sharedfile'}"  # must not exist beforehand
     outs = run_ranks(
-        "b8_shared_file.py",
+        "08_shared_file.py",
         [{}] * 2,
         lambda r: [f"--init-method={url}", f"--rank={r}", "--world-size=2", *tiny(tmp_path)],
     )
@@ -274,7 +274,7 @@ def test_b9_env_variables_rendezvous(tmp_path):
     envs = [
         dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r)) for r in range(2)
     ]
-    outs = run_ranks("b9_env.py", envs, lambda r: tiny(tmp_path))
+    outs = run_ranks("09_env_variables.py", envs, lambda r: tiny(tmp_path))
     assert f"rank 0 of 2 via env:// at 127.0.0.1:{port}" in outs[0]
     _assert_trained_on_rank0_only(outs, 2)
 
@@ -284,7 +284,7 @@ def test_b9_env_variables_rendezvous(tmp_path):
 
 @pytest.mark.slow
 def test_c_rules_ranks_batches_seeds_mean_loss_and_rank0_saving(tmp_path):
-    out = torchrun("c_rules.py", *tiny(tmp_path))
+    out = torchrun("10_ddp_rules.py", *tiny(tmp_path))
     ranks = re.findall(r"^rank (\d) \| local_rank (\d) \| world_size 2 \| device cpu \| gloo$", out, re.M)
     assert sorted(ranks) == [("0", "0"), ("1", "1")]  # C.10: one line per process
     assert "batch 16 per process x 2 processes = global batch 32" in out  # C.11
@@ -302,7 +302,7 @@ def test_c_rules_ranks_batches_seeds_mean_loss_and_rank0_saving(tmp_path):
 
 @pytest.mark.slow
 def test_c_files_rank0_prepares_pretrained_weights_and_checkpoint_round_trip(tmp_path):
-    out = torchrun("c_files.py", *tiny(tmp_path))
+    out = torchrun("11_weights_and_checkpoints.py", *tiny(tmp_path))
     assert "data prepared by rank 0 (64 samples), read by all 2 ranks" in out  # C.16
     weights = re.search(
         r"^weights per rank: random init \[(\S+), (\S+)\] -> after loading pretrained.pt \[(\S+), (\S+)\]$",
@@ -323,7 +323,7 @@ def test_c_files_rank0_prepares_pretrained_weights_and_checkpoint_round_trip(tmp
 
 @pytest.mark.slow
 def test_e21_two_device_halves_under_ddp_stay_identical(tmp_path):
-    out = torchrun("e21_model_parallel.py", *tiny(tmp_path))
+    out = torchrun("13_model_parallel.py", *tiny(tmp_path))
     assert sorted(re.findall(r"^rank (\d): part1 on cpu, part2 on cpu$", out, re.M)) == ["0", "1"]
     assert out.count("epoch 1/1 | train loss") == 1
     sums = re.search(r"^replicas identical after training: \[(\S+), (\S+)\]$", out, re.M)

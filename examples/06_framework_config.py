@@ -1,10 +1,10 @@
 """SCENARIOS A.6: the framework way (Distribuuuu's train_net.py): a recipe file plus KEY VALUE overrides.
 
-    torchrun --nproc-per-node 8 examples/a6_framework.py --cfg configs/cifar10_resnet18.yaml \\
+    torchrun --nproc-per-node 8 examples/06_framework_config.py --cfg configs/cifar10_resnet18.yaml \\
         TRAIN.BATCH_SIZE 128 OUT_DIR ./resnet18_1024bs OPTIM.LR 0.4
-    srun --ntasks-per-node=8 -n64 python -u examples/a6_framework.py --cfg configs/cifar10_resnet18.yaml \\
+    srun --ntasks-per-node=8 -n64 python -u examples/06_framework_config.py --cfg configs/cifar10_resnet18.yaml \\
         train.batch_size 128 out_dir runs/resnet18_8192bs
-    torchrun --nproc-per-node 2 examples/a6_framework.py --cfg configs/digits.yaml    # CPU, the digits
+    torchrun --nproc-per-node 2 examples/06_framework_config.py --cfg configs/digits.yaml    # CPU, the digits
 
 Keys are ddpkit's (`ddpkit train --help-config`), in any case: TRAIN.BATCH_SIZE 128 is train.batch_size=128.
 The lr follows the global batch (optim.lr at optim.ref_batch_size). Distribuuuu's advice holds: turn on

@@ -1,8 +1,8 @@
 """SCENARIOS B.7: three terminals, a manual tcp:// rendezvous; each process is started by hand.
 
-    python examples/b7_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 0 --world-size 3
-    python examples/b7_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 1 --world-size 3
-    python examples/b7_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 2 --world-size 3
+    python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 0 --world-size 3
+    python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 1 --world-size 3
+    python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 2 --world-size 3
 
 Rank 0 listens on the address; the job starts only when all --world-size processes have joined. --backend
 chooses among gloo, nccl and mpi (auto: nccl on GPUs, gloo on CPU). A small MNIST-style CNN trains on this

@@ -1,7 +1,7 @@
 """SCENARIOS C.10-12, 14, 15: the rules every DDP script follows, each shown once.
 
-    torchrun --nproc-per-node 2 examples/c_rules.py
-    torchrun --nnodes 2 --node-rank 0 --master-addr HOST --nproc-per-node 2 examples/c_rules.py   # and node 1
+    torchrun --nproc-per-node 2 examples/10_ddp_rules.py
+    torchrun --nnodes 2 --node-rank 0 --master-addr HOST --nproc-per-node 2 examples/10_ddp_rules.py   # and node 1
 
 With 2 nodes x 2 GPUs the local ranks are 0 1 0 1 and the ranks 0 1 2 3. The script asserts what it shows
 (identical initial weights, different augmentation, the mean loss) and exits non-zero if a rule is broken.

@@ -5,8 +5,8 @@ trains on batches of 128/N. After backward() it all-reduces every gradient and d
 holds the gradient of the global batch of 128 and takes the same step. DDP computes the same average, in
 buckets that overlap the communication with the backward pass, so both give the same weights.
 
-    python examples/dist_sgd_by_hand.py                          # one process
-    torchrun --nproc-per-node 2 examples/dist_sgd_by_hand.py     # two processes (gloo on CPU)
+    python examples/12_dist_sgd_by_hand.py                          # one process
+    torchrun --nproc-per-node 2 examples/12_dist_sgd_by_hand.py     # two processes (gloo on CPU)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SCENARIOS C.13, 16, 17: files the processes share: data prepared by rank 0, pretrained weights, checkpoints.
 
-    torchrun --nproc-per-node 2 examples/c_files.py --out runs/c_files/model.pt
+    torchrun --nproc-per-node 2 examples/11_weights_and_checkpoints.py --out runs/c_files/model.pt
 
 C.16: rank 0 prepares the data (download, unpack, cache) while the others wait; then every rank reads it.
 C.13: pretrained weights reach every process: each rank loads the file with a map_location to its own device

@@ -1,7 +1,7 @@
 """SCENARIOS A.1: one process, one device. ResNet-18 on CIFAR-10, batch 256, 5 epochs, SGD lr 0.01.
 
-    python examples/a1_single_gpu.py --data cifar10 --data-root data     # CIFAR-10 under data/cifar-10-batches-py
-    python examples/a1_single_gpu.py                                     # scikit-learn's digits (no download)
+    python examples/01_single_gpu.py --data cifar10 --data-root data     # CIFAR-10 under data/cifar-10-batches-py
+    python examples/01_single_gpu.py                                     # scikit-learn's digits (no download)
 
 Prints `   == step: [ 50/196] [1/5] | loss: 1.959 | acc: 28.633%` every 50 steps and at the end of each epoch
 (the tutorial reaches about 65% train accuracy on CIFAR-10 after 5 epochs).

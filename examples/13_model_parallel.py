@@ -1,7 +1,7 @@
 """SCENARIOS E.21: model parallelism: the first half of a model on one device, the second on another.
 
-    python examples/e21_model_parallel.py                             # one process, two GPUs (cuda:0, cuda:1)
-    torchrun --nproc-per-node 2 examples/e21_model_parallel.py        # + DDP: rank r owns cuda:2r, cuda:2r+1
+    python examples/13_model_parallel.py                             # one process, two GPUs (cuda:0, cuda:1)
+    torchrun --nproc-per-node 2 examples/13_model_parallel.py        # + DDP: rank r owns cuda:2r, cuda:2r+1
 
 The activations move from the first device to the second inside forward(), and autograd moves the gradients
 back. Combined with DDP, each process owns both halves (several devices), so DDP is built without

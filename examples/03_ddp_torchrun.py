@@ -1,9 +1,9 @@
 """SCENARIOS A.3: DDP under torchrun (torch.distributed.launch): one process per GPU.
 
-    torchrun --nproc-per-node 4 examples/a3_ddp_torchrun.py --data cifar10 --data-root data     # 1 node x 4 GPUs
+    torchrun --nproc-per-node 4 examples/03_ddp_torchrun.py --data cifar10 --data-root data     # 1 node x 4 GPUs
     torchrun --nnodes 2 --node-rank 0 --master-addr HOST --master-port 22222 --nproc-per-node 8 \\
-        examples/a3_ddp_torchrun.py --data cifar10 --data-root data    # then --node-rank 1 on the other node
-    torchrun --nproc-per-node 2 examples/a3_ddp_torchrun.py            # CPU: gloo, scikit-learn's digits
+        examples/03_ddp_torchrun.py --data cifar10 --data-root data    # then --node-rank 1 on the other node
+    torchrun --nproc-per-node 2 examples/03_ddp_torchrun.py            # CPU: gloo, scikit-learn's digits
 
 What the tutorial writes by hand, ddpkit does: RANK/LOCAL_RANK from the launcher, the device, the backend
 (nccl on GPUs, gloo on CPU), the sampler and its set_epoch, and the lr for the global batch (0.01 x 2 on 2
