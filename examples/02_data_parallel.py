@@ -1,11 +1,11 @@
-"""SCENARIOS A.2: one node, several GPUs, nn.DataParallel: the A.1 script with one line changed.
+"""Step 2: one node, several GPUs with nn.DataParallel: step 1's script with one line changed.
 
-    python examples/02_data_parallel.py --data cifar10 --data-root data
-    CUDA_VISIBLE_DEVICES=0,1 python examples/02_data_parallel.py --batch-size 512 --lr 0.02
+    python examples/02_data_parallel.py --data cifar10 --data-root data    # needs GPUs, CIFAR-10
+    CUDA_VISIBLE_DEVICES=0,1 python examples/02_data_parallel.py --batch-size 512 --lr 0.02    # needs 2 GPUs
+    python examples/02_data_parallel.py                                    # no GPU: the module runs as is
 
 One process drives every visible GPU with threads: each batch is split across them, the outputs and gradients
-gather on cuda:0, and the GIL serialises the Python side, so it is slower than DDP (03_ddp_torchrun.py).
-Without GPUs nn.DataParallel simply runs the module.
+gather on cuda:0, and the GIL serialises the Python side, so it is slower than DDP (step 3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import _common as common
 import torch
 from torch import nn
 
-main = importlib.import_module("01_single_gpu").main  # a digit-leading name: no import statement
+single_gpu = importlib.import_module("01_single_gpu")  # a name that starts with a digit: no import statement
 
 
 def data_parallel(model: nn.Module) -> nn.Module:
@@ -25,4 +25,4 @@ def data_parallel(model: nn.Module) -> nn.Module:
 
 
 if __name__ == "__main__":
-    main(common.parser(__doc__).parse_args(), wrap=data_parallel)
+    single_gpu.main(common.parser(__doc__).parse_args(), wrap=data_parallel)

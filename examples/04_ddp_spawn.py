@@ -1,11 +1,14 @@
-"""SCENARIOS A.4: DDP under torch.multiprocessing.spawn: one command starts all the workers itself.
+"""Step 4: DDP started by one command that spawns its own workers (no torchrun): step 3's script in each.
 
-    python examples/04_ddp_spawn.py --nproc 4 --data cifar10 --data-root data     # 1 node x 4 GPUs
-    python examples/04_ddp_spawn.py --nproc 2                                     # CPU: gloo, the digits
+    python examples/04_ddp_spawn.py --nproc 4 --data cifar10 --data-root data    # needs 4 GPUs, CIFAR-10
+    python examples/04_ddp_spawn.py --nproc 2              # the tutorial's mp.spawn, on CPU (gloo)
+    python examples/04_ddp_spawn.py --nproc 2 --launch     # the same with ddpkit.launch
 
-The parent picks a free port and gives every child the variables a launcher would (MASTER_ADDR,
-MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE); each child then runs the A.3 script, whose
-ddpkit.init_distributed() finds them.
+The tutorial's way: the parent sets MASTER_ADDR and MASTER_PORT (a free port here),
+torch.multiprocessing.spawn calls worker(i, ...) in N processes, and each joins the group with its rank and
+the world size, here ddpkit.init_distributed(rank=i, world_size=N) in place of init_process_group.
+ddpkit.launch(fn, *args, nprocs=N) does all of that (free port, variables, joining, leaving) and returns each
+rank's return value.
 """
 
 from __future__ import annotations
@@ -17,26 +20,26 @@ import _common as common
 import torch
 import torch.multiprocessing as mp
 
+import ddpkit
 from ddpkit.distributed.launch import free_port
 
-train = importlib.import_module("03_ddp_torchrun").main  # a digit-leading name: no import statement
+ddp_torchrun = importlib.import_module("03_ddp_torchrun")
 
 
-def worker(local_rank: int, nproc: int, port: int, args) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),  # one node: rank = local rank
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-    )
-    train(args)
+def worker(local_rank: int, nproc: int, args) -> None:
+    """What mp.spawn runs in each process: join the group as rank `local_rank` (one node), then train."""
+    ddpkit.init_distributed(rank=local_rank, world_size=nproc)  # MASTER_ADDR/MASTER_PORT from the parent
+    ddp_torchrun.main(args)
 
 
 if __name__ == "__main__":
     parser = common.parser(__doc__)
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2, help="workers to start")
+    parser.add_argument("--launch", action="store_true", help="start them with ddpkit.launch, not mp.spawn")
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: CPU workers must not oversubscribe
-    mp.spawn(worker, args=(args.nproc, free_port(), args), nprocs=args.nproc)
+    if args.launch:
+        ddpkit.launch(ddp_torchrun.main, args, nprocs=args.nproc)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: CPU workers must not oversubscribe
+        mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)

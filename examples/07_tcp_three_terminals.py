@@ -1,12 +1,13 @@
-"""SCENARIOS B.7: three terminals, a manual tcp:// rendezvous; each process is started by hand.
+"""Step 7: three terminals and a tcp:// rendezvous: every process is started by hand with its rank.
 
     python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 0 --world-size 3
     python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 1 --world-size 3
     python examples/07_tcp_three_terminals.py --init-method tcp://127.0.0.1:22225 --rank 2 --world-size 3
 
-Rank 0 listens on the address; the job starts only when all --world-size processes have joined. --backend
-chooses among gloo, nccl and mpi (auto: nccl on GPUs, gloo on CPU). A small MNIST-style CNN trains on this
-rank's share of scikit-learn's digits (a distributed split) and rank 0 prints the loss and val accuracy.
+Rank 0 listens on the address (on several machines: rank 0's address, reachable from the others); the
+job starts only when all --world-size processes have joined. --backend chooses among gloo, nccl and mpi
+(auto: nccl on GPUs, gloo on CPU). A small MNIST-style CNN trains on this rank's share of scikit-learn's
+digits and rank 0 prints the mean loss and the accuracy on the whole validation set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import _common as common
 
 import ddpkit
-from ddpkit.distributed.env import manual_env
 
 
 def main(default_init_method: str = "tcp://127.0.0.1:22225", doc: str = __doc__) -> None:
@@ -24,8 +24,9 @@ def main(default_init_method: str = "tcp://127.0.0.1:22225", doc: str = __doc__)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl", "mpi"), default="auto")
     args = parser.parse_args()
-    env = manual_env(args.init_method, args.rank, args.world_size)  # checks the URL and the ranks
-    ctx = ddpkit.init_distributed(args.backend, env=env)  # blocks until all --world-size have joined
+    ctx = ddpkit.init_distributed(  # checks the URL and the ranks, then blocks until all have joined
+        args.backend, init_method=args.init_method, rank=args.rank, world_size=args.world_size
+    )
     if ctx.is_main:
         print(f"{ctx.world_size} processes joined at {args.init_method}, backend {ctx.backend}", flush=True)
     common.train_and_evaluate(ctx, args)
