@@ -1,7 +1,7 @@
-"""What the example scripts share: their size flags, the tutorials' data, models and training loop.
+"""What the example scripts share: their size flags, the tutorials' data, models, training and evaluation.
 
 Not part of ddpkit: a user keeps these lines in their own script. They sit here so that each example shows
-only what its scenario changes.
+only what its step of the path changes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import torch
 from torch import nn
-from torch.utils.data import Subset
+from torch.utils.data import DataLoader, Subset
 
 import ddpkit
 
@@ -58,7 +58,7 @@ def datasets(args: argparse.Namespace):
 
 
 def resnet18(in_channels: int) -> nn.Module:
-    """torchvision's ResNet-18 with 10 classes, as the tutorials build it; gray digits get a 1-channel stem."""
+    """torchvision's ResNet-18 with 10 classes, as the tutorials build it; gray digits: a 1-channel stem."""
     import torchvision
 
     model = torchvision.models.resnet18(num_classes=10)
@@ -87,7 +87,7 @@ def sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def train_epoch(model: nn.Module, loader, optimizer, device, epoch: int, args) -> tuple[float, float]:
-    """The tutorials' loop over one epoch; rank 0 prints LOG_LINE. Returns this process's (mean loss, accuracy)."""
+    """One epoch of the tutorials' loop (rank 0 prints LOG_LINE); returns this rank's (mean loss, accuracy)."""
     criterion = nn.CrossEntropyLoss()
     model.train()
     train_loss = correct = total = 0
@@ -115,38 +115,42 @@ def checksum(model: nn.Module) -> float:
     return round(sum(p.double().sum().item() for p in model.parameters()), 8)
 
 
-def ddp(model: nn.Module, ctx) -> nn.Module:
-    """DistributedDataParallel on this process's GPU (`device_ids=[local_rank]`) or CPU; a single process: as is."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not torch.distributed.is_initialized():
-        return model
-    return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device) -> tuple[float, int]:
+    """(accuracy, samples) over the whole validation set: each rank counts its own shard (an evaluation
+    loader gives every sample to exactly one rank) and all_reduce_sum adds the counts up."""
+    model.eval()
+    correct = total = 0
+    for inputs, targets in loader:
+        correct += (model(inputs.to(device)).argmax(dim=1).cpu() == targets).sum().item()
+        total += targets.size(0)
+    correct, total = ddpkit.all_reduce_sum([correct, total])
+    return correct / total, total
 
 
 def train_and_evaluate(ctx, args: argparse.Namespace) -> None:
-    """The MNIST tutorials' job on a distributed split: loss averaged over ranks, exact validation accuracy."""
-    from ddpkit.data import eval_loader
-    from ddpkit.trainer import evaluate
-
+    """The MNIST tutorials' job on a distributed split: the loss averaged over ranks, exact val accuracy."""
     train_set, val_set, spec = datasets(args)
     ddpkit.seed_model_init(0)  # the same initial weights on every rank
-    model = small_cnn(spec.in_channels, spec.image_size).to(ctx.device)
-    net = ddp(model, ctx)
-    loader = ddpkit.distributed_loader(
-        train_set, args.batch_size
-    )  # this rank's share; set_epoch is automatic
-    optimizer = sgd(net, ddpkit.scaled_lr(args.lr, args.batch_size * ctx.world_size, 256))
+    model = small_cnn(spec.in_channels, spec.image_size)
+    optimizer = sgd(model, ddpkit.scaled_lr(args.lr, args.batch_size * ctx.world_size, 256))
+    # shuffled -> this rank's share of each epoch (set_epoch automatic); unshuffled -> each sample once
+    net, optimizer, train_loader, val_loader = ddpkit.prepare(
+        model,
+        optimizer,
+        DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True),
+        DataLoader(val_set, batch_size=256),
+    )
     for epoch in range(1, args.epochs + 1):
-        loss, _ = train_epoch(net, loader, optimizer, ctx.device, epoch, args)
+        loss, _ = train_epoch(net, train_loader, optimizer, ctx.device, epoch, args)
         loss = ddpkit.all_reduce_mean(loss)  # every rank's mean loss, averaged
-        val = evaluate(model, eval_loader(val_set, 256), ctx.device)  # every sample exactly once over ranks
+        acc, samples = evaluate(ddpkit.unwrap(net), val_loader, ctx.device)
         if ctx.is_main:
             print(
                 f"epoch {epoch}/{args.epochs} | train loss {loss:.4f} (mean of {ctx.world_size} ranks) | "
-                f"val acc {100 * val['val_acc1']:.2f}% on {val['val_samples']} samples",
+                f"val acc {100 * acc:.2f}% on {samples} samples",
                 flush=True,
             )
     if ctx.is_main:
-        ddpkit.save_checkpoint({"model": model.state_dict()}, args.out)
+        ddpkit.save_checkpoint({"model": ddpkit.unwrap(net).state_dict()}, args.out)
         print(f"saved {args.out}", flush=True)

@@ -1,18 +1,20 @@
-"""examples/dist_sgd_by_hand.py: all-reducing gradients by hand gives DDP's weights (SCENARIOS.md §D.20)."""
+"""examples/12_dist_sgd_by_hand.py: all-reducing the gradients by hand gives DDP's weights."""
 
 from __future__ import annotations
 
-import subprocess
+import importlib
+import re
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, cli_env, run_group
+from conftest import REPO, run_group
+from test_examples import run_doc, runs_doc
 
 sys.path.insert(0, str(REPO / "examples"))
-import dist_sgd_by_hand as example  # noqa: E402
+example = importlib.import_module("12_dist_sgd_by_hand")
 
 STEPS = 8
 
@@ -52,14 +54,18 @@ def test_hand_written_all_reduce_sgd_matches_ddp_on_two_processes():
     assert _max_gap(ranks[0]["local"], ranks[0]["ddp"]) > 1e-3
 
 
-def test_example_runs_as_a_single_process_script():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "dist_sgd_by_hand.py"), "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=cli_env(),
+@runs_doc("12_dist_sgd_by_hand.py", "python examples/12_dist_sgd_by_hand.py")
+def test_example_runs_as_a_single_process_script(doc):
+    out = run_doc(doc, "--steps", "3")
+    assert "1 process(es) (gloo), batch 128 each, 3 steps" in out
+    assert "largest weight difference 0.00e+00" in out
+
+
+@pytest.mark.slow
+@runs_doc("12_dist_sgd_by_hand.py", "torchrun --nproc-per-node 2")
+def test_example_runs_under_torchrun_and_by_hand_equals_ddp(doc):
+    out = run_doc(doc, "--steps", "3")
+    found = re.search(
+        r"^2 process\(es\) \(gloo\), batch 64 each, 3 steps: .* largest weight difference (\S+)$", out, re.M
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "1 process(es) (gloo), batch 128 each, 3 steps" in proc.stdout
-    assert "largest weight difference 0.00e+00" in proc.stdout
+    assert found and float(found[1]) < 1e-5, out

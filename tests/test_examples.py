@@ -1,16 +1,24 @@
-"""The examples/ scripts run end to end on tiny data (CPU, gloo, real processes) and print what the tutorials print."""
+"""The examples/ scripts print what the tutorials print. Every command line of their docstrings parses and is
+run here on tiny data (CPU, gloo, real processes) unless it is marked as needing what this machine lacks."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import importlib
 import random
 import re
+import runpy
+import shlex
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import ddpkit
 from conftest import REPO, cli_env
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.distributed.env import slurm_port
@@ -18,6 +26,7 @@ from ddpkit.distributed.launch import free_port
 from test_data import write_cifar10
 
 EXAMPLES = REPO / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
 TIMEOUT = 300
 # The tutorials' line: `   == step: [ 50/196] [1/5] | loss: 1.959 | acc: 28.633%`
 LOG_LINE = re.compile(
@@ -26,43 +35,128 @@ LOG_LINE = re.compile(
 DIGITS_VAL = 359
 assert LOG_LINE.match("   == step: [ 50/196] [1/5] | loss: 1.959 | acc: 28.633%")
 
+# ---------------------------------------------------------------------- the command lines of the docstrings
+
+STARTS = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|torchrun|srun) ")
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    """One command line of an example's docstring (continuation lines joined), its comment apart."""
+
+    script: str
+    text: str
+    comment: str
+
+    @property
+    def mark(self) -> str | None:
+        """What the line needs that this machine lacks (`# ... needs GPUs, CIFAR-10`), or None."""
+        m = re.search(r"\bneeds (.+)$", self.comment)
+        return m.group(1) if m else None
+
+    def split(self, replace: dict[str, str] | None = None) -> tuple[dict[str, str], str, list[str]]:
+        """(VAR=value assignments, program, its arguments), after replacing each `old` (which must occur)."""
+        text = self.text
+        for old, new in (replace or {}).items():
+            assert old in text, (old, text)
+            text = text.replace(old, new)
+        words = shlex.split(text)
+        env = {}
+        while re.fullmatch(r"[A-Z_]+=\S+", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            env[key] = value
+        return env, words[0], words[1:]
+
+    def example_args(self) -> list[str]:
+        """The arguments the example itself gets (after its path)."""
+        _, prog, words = self.split()
+        if prog == "torchrun":
+            return torchrun_args(words).training_script_args
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        return words[at + 1 :]
+
+    def argv(self, *extra: str, replace: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """(argv, env) of the line as this machine runs it (torchrun: --standalone, a free port) + `extra`."""
+        env, prog, words = self.split(replace)
+        assert prog in ("python", "torchrun"), self.text
+        launcher = ["-m", "torch.distributed.run", "--standalone"] if prog == "torchrun" else []
+        return [sys.executable, *launcher, *words, *extra], env
+
+
+def doc_commands(script: str) -> list[DocCommand]:
+    """The command lines of examples/SCRIPT's docstring, read without importing it."""
+    doc = ast.get_docstring(ast.parse((EXAMPLES / script).read_text()), clean=False)
+    assert doc, f"{script} has no docstring"
+    commands, pending = [], ""
+    for line in doc.splitlines():
+        if not pending and not (line.startswith("    ") and STARTS.match(line.strip())):
+            assert "examples/" not in line, f"{script}: a command this test does not recognise: {line!r}"
+            continue
+        code, _, comment = line.partition(" # ")
+        code = code.strip()
+        if code.endswith("\\"):
+            assert not comment, f"{script}: a comment inside a continued line: {line!r}"
+            pending += code[:-1].strip() + " "
+            continue
+        commands.append(DocCommand(script, pending + code, comment.strip()))
+        pending = ""
+    assert commands, f"{script}'s docstring shows no command line"
+    return commands
+
+
+def torchrun_args(words: list[str]) -> argparse.Namespace:
+    """torchrun's own parser on WORDS (it exits on a flag torchrun does not know)."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_args(words)
+
+
+RUN_BY: dict[tuple[str, str], str] = {}  # (script, command) -> the test that runs it
+
+
+def runs_doc(script: str, *selectors: str, together: bool = False):
+    """Mark a test as the one that runs these command lines of SCRIPT's docstring (each selector: the whole
+    command, or a unique part of the line); the test gets them as `doc`, one per case or all at once."""
+    commands = doc_commands(script)
+    chosen = []
+    for sel in selectors:
+        hits = [c for c in commands if c.text == sel] or [
+            c for c in commands if sel in f"{c.text}  # {c.comment}"
+        ]
+        assert len(hits) == 1, f"{script}: {sel!r} picks {len(hits)} command lines"
+        chosen.append(hits[0])
+
+    def decorate(fn):
+        for c in chosen:
+            RUN_BY[(script, c.text)] = fn.__name__
+        params = [tuple(chosen)] if together else chosen
+        return pytest.mark.parametrize("doc", params, ids=lambda p: script)(fn)
+
+    return decorate
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
 
 def _check(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
     return proc.stdout
 
 
-def run_python(*args: str) -> str:
-    """`python ARGS` in the repository; its stdout (it must exit 0)."""
-    cmd = [sys.executable, *args]
-    return _check(
-        subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(), cwd=REPO)
-    )
+def run_doc(doc: DocCommand, *extra: str, replace: dict[str, str] | None = None) -> str:
+    """Run one docstring command line (+ `extra`) in the repository; its stdout (it must exit 0)."""
+    argv, env = doc.argv(*extra, replace=replace)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(env), cwd=REPO)
+    return _check(proc)
 
 
-def run_example(script: str, *args: str) -> str:
-    """`python examples/SCRIPT ARGS`; its stdout."""
-    return run_python(str(EXAMPLES / script), *args)
-
-
-def torchrun(script: str, *args: str, nproc: int = 2) -> str:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N examples/SCRIPT ARGS`; its stdout."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return run_python(*launcher, str(EXAMPLES / script), *args)
-
-
-def run_ranks(script: str, envs: list[dict[str, str]], args_of) -> list[str]:
-    """Start one `python examples/SCRIPT` per rank, each separately (as by hand); every stdout, by rank."""
+def run_together(commands: list[tuple[list[str], dict[str, str]]]) -> list[str]:
+    """Start every (argv, env) at once, each on its own (as in separate terminals); every stdout, in order."""
     procs = [
         subprocess.Popen(
-            [sys.executable, str(EXAMPLES / script), *args_of(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=cli_env(env),
-            cwd=REPO,
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(env), cwd=REPO
         )
-        for rank, env in enumerate(envs)
+        for argv, env in commands
     ]
     outs = []
     try:
@@ -100,17 +194,104 @@ def tiny(tmp_path, *, train_size: int = 64, epochs: int = 1, log_every: int = 50
     ]
 
 
-# ------------------------------------------------------------------------------------------ A: the path
+class _Parsed(Exception):
+    """Raised in place of parsing, once the example has built its parser."""
 
 
-def test_a1_single_process_prints_the_tutorial_log_line_on_cifar10(tmp_path):
-    write_cifar10(tmp_path / "cifar", per_batch=8, test=4)  # the real pickled batches: 40 training images
-    out = run_example(
-        "a1_single_gpu.py",
-        "--data=cifar10",
-        f"--data-root={tmp_path / 'cifar'}",
-        *tiny(tmp_path, train_size=40, epochs=2, log_every=2),
+def example_parser(script: str, monkeypatch) -> argparse.ArgumentParser:
+    """The ArgumentParser examples/SCRIPT builds when run, caught as it is about to parse (nothing runs)."""
+    built = []
+
+    def capture(self, args=None, namespace=None):
+        built.append(self)
+        raise _Parsed
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    with monkeypatch.context() as m, pytest.raises(_Parsed):
+        m.setattr(sys, "argv", [script])
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    return built[0]
+
+
+# -------------------------------------------------------------------------------- the docstrings themselves
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_docstring_names_its_step_and_its_lines_parse(script, monkeypatch):
+    assert ast.get_docstring(ast.parse((EXAMPLES / script).read_text())).startswith(f"Step {int(script[:2])}")
+    parser = example_parser(script, monkeypatch)
+    for doc in doc_commands(script):
+        _, prog, words = doc.split()
+        named = (
+            torchrun_args(words).training_script
+            if prog == "torchrun"
+            else next(w for w in words if ".py" in w)
+        )
+        assert named == f"examples/{script}", doc.text
+        try:
+            parser.parse_args(doc.example_args())  # every flag defined, every value accepted
+        except SystemExit:
+            pytest.fail(f"{script}: the example rejects its own docstring's line {doc.text!r}")
+
+
+def _needs(doc: DocCommand) -> set[str]:
+    """What a command line needs that this machine (CPU, one node, no Slurm, no CIFAR-10 files) lacks."""
+    env, prog, words = doc.split()
+    needs = set()
+    if "cifar10" in doc.text:
+        needs.add("CIFAR-10")
+    if "CUDA_VISIBLE_DEVICES" in env or "--gres=gpu" in doc.text:
+        needs.add("GPU")
+    if prog == "srun":
+        needs.add("Slurm")
+    if prog == "torchrun" and torchrun_args(words).nnodes not in ("1", "1:1"):
+        needs.add("node")
+    return needs
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_lines_needing_what_this_machine_lacks_say_so(script):
+    for doc in doc_commands(script):
+        needs = _needs(doc)
+        if not needs:
+            assert doc.mark is None, (
+                f"{doc.text!r} is marked `needs {doc.mark}` but runs here: run it in a test"
+            )
+        for need in needs:
+            assert doc.mark and need in doc.mark, f"{doc.text!r} needs {need}: say so (`# needs {need}`)"
+
+
+def test_every_line_that_runs_here_is_run_by_a_test():
+    importlib.import_module("test_example_dist_sgd")  # its tests register the lines they run, too
+    unrun = [(d.script, d.text) for s in SCRIPTS for d in doc_commands(s) if d.mark is None]
+    assert [line for line in unrun if line not in RUN_BY] == []
+
+
+def test_docstring_parsing_sees_marks_continuations_and_unknown_commands(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "EXAMPLES", tmp_path)
+    (tmp_path / "x.py").write_text(
+        '"""Doc.\n\n    A=1 torchrun --nnodes 2 examples/x.py \\\\\n'
+        "        --data cifar10    # 2 nodes; needs CIFAR-10\n"
+        '    python examples/x.py    # CPU\n"""\n'
     )
+    long, short = doc_commands("x.py")
+    assert long.text == "A=1 torchrun --nnodes 2 examples/x.py --data cifar10" and long.mark == "CIFAR-10"
+    assert _needs(long) == {"CIFAR-10", "node"} and long.example_args() == ["--data", "cifar10"]
+    assert short.mark is None and short.argv("--epochs=1")[0][1:] == ["examples/x.py", "--epochs=1"]
+    (tmp_path / "y.py").write_text('"""Doc.\n\n    mpirun -n 2 examples/y.py\n"""\n')
+    with pytest.raises(AssertionError, match="does not recognise"):
+        doc_commands("y.py")
+
+
+# --------------------------------------------------------------------- steps 1-6: from one GPU to a framework
+
+
+@runs_doc("01_single_gpu.py", "--data cifar10")
+def test_01_single_process_prints_the_tutorial_log_line_on_cifar10(tmp_path, doc):
+    write_cifar10(tmp_path / "cifar", per_batch=8, test=4)  # the real pickled batches: 40 training images
+    tiny_cifar = tiny(tmp_path, train_size=40, epochs=2, log_every=2)
+    out = run_doc(doc, f"--data-root={tmp_path / 'cifar'}", *tiny_cifar)
     # 40 images / batch 16 = 3 steps (the last one short): lines at step 2 and at the epoch's end
     assert [ln.split("|")[0].strip() for ln in step_lines(out)] == [
         "== step: [  2/3] [1/2]",
@@ -123,8 +304,16 @@ def test_a1_single_process_prints_the_tutorial_log_line_on_cifar10(tmp_path):
     assert state["conv1.weight"].shape == (64, 3, 7, 7) and state["fc.weight"].shape == (10, 512)
 
 
-def test_a2_data_parallel_is_a1_with_one_line_changed(tmp_path):
-    out = run_example("a2_data_parallel.py", *tiny(tmp_path, log_every=1))
+@runs_doc("01_single_gpu.py", "python examples/01_single_gpu.py")
+def test_01_runs_on_the_digits_without_a_download(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path, log_every=2))
+    assert len(step_lines(out)) == 2  # 64 digits / 16 = 4 steps: lines at 2 and 4
+    assert saved_model(tmp_path / "out" / "model.pt")["conv1.weight"].shape == (64, 1, 7, 7)
+
+
+@runs_doc("02_data_parallel.py", "python examples/02_data_parallel.py")
+def test_02_data_parallel_is_01_with_one_line_changed(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path, log_every=1))
     assert re.search(r"^nn\.DataParallel over \d+ GPU\(s\)$", out, re.M), out
     assert len(step_lines(out)) == 4  # 64 digits / 16
     state = saved_model(tmp_path / "out" / "model.pt")  # the wrapped model's own keys, no `module.`
@@ -132,24 +321,22 @@ def test_a2_data_parallel_is_a1_with_one_line_changed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a3_torchrun_prints_once_and_counts_steps_of_the_global_batch(tmp_path):
-    out = torchrun("a3_ddp_torchrun.py", *tiny(tmp_path, train_size=100, epochs=2, log_every=2))
+@runs_doc("03_ddp_torchrun.py", "torchrun --nproc-per-node 2 examples/03_ddp_torchrun.py")
+def test_03_torchrun_prints_once_and_counts_steps_as_distributed_sampler(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path, train_size=100, epochs=2, log_every=2))
     assert sorted(re.findall(r"^\[init\] == local rank: (\d), global rank: (\d) ==$", out, re.M)) == [
         ("0", "0"),
         ("1", "1"),
     ]
-    # 100 // (16 x 2) = 3 steps, the same on both ranks; DistributedSampler: ceil(ceil(100 / 2) / 16) = 4
-    assert (
-        "steps per epoch: 3 (100 samples // global batch 32 = 16 x 2); a padding DistributedSampler would give 4"
-        in out
-    )
-    assert "lr: 0.00125 (0.01 x 32 / 256)" in out
+    # DistributedSampler's count: ceil(100 / 2) = 50 samples per rank (padded), ceil(50 / 16) = 4 steps
+    assert "steps per epoch: 4 (ceil(100 samples / 2 processes) = 50 per process, in batches of 16)" in out
+    assert "lr: 0.00125 (0.01 x global batch 32 / 256)" in out
     lines = [ln.split("|")[0].strip() for ln in step_lines(out)]
     assert lines == [
-        "== step: [  2/3] [1/2]",
-        "== step: [  3/3] [1/2]",
-        "== step: [  2/3] [2/2]",
-        "== step: [  3/3] [2/2]",
+        "== step: [  2/4] [1/2]",
+        "== step: [  4/4] [1/2]",
+        "== step: [  2/4] [2/2]",
+        "== step: [  4/4] [2/2]",
     ]
     assert out.count("=======  Training  =======") == 1 and out.count("saved ") == 1
     state = saved_model(tmp_path / "out" / "model.pt")
@@ -157,10 +344,11 @@ def test_a3_torchrun_prints_once_and_counts_steps_of_the_global_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_a4_spawn_starts_its_own_workers(tmp_path):
-    out = run_example("a4_ddp_spawn.py", "--nproc=2", *tiny(tmp_path))
+@runs_doc("04_ddp_spawn.py", "python examples/04_ddp_spawn.py --nproc 2", "--launch")
+def test_04_spawn_and_launch_start_their_own_workers(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path))
     assert len(re.findall(r"^\[init\] == local rank: \d, global rank: \d ==$", out, re.M)) == 2
-    assert "steps per epoch: 2 (64 samples // global batch 32 = 16 x 2)" in out
+    assert "steps per epoch: 2 (ceil(64 samples / 2 processes) = 32 per process, in batches of 16)" in out
     assert len(step_lines(out)) == 1 and out.count("saved ") == 1
     saved_model(tmp_path / "out" / "model.pt")
 
@@ -180,18 +368,17 @@ def _free_slurm_job() -> tuple[str, int]:
 
 
 @pytest.mark.slow
-def test_a5_runs_under_a_slurm_environment(tmp_path):
+@runs_doc("05_slurm.py", "srun --ntasks=2 python -u examples/05_slurm.py")
+def test_05_srun_line_under_a_slurm_environment(tmp_path, doc):
+    _, _, words = doc.split()
+    tasks = int(words[0].removeprefix("--ntasks="))
+    program = words[words.index("python") + 1 :]  # what srun starts in each task, with these variables:
     job, port = _free_slurm_job()
-    slurm = dict(
-        SLURM_NTASKS="2",
-        SLURM_NODEID="0",
-        SLURM_NODELIST="localhost",
-        SLURM_TASKS_PER_NODE="2",
-        SLURM_JOB_ID=job,
-        SLURM_STEP_ID="0",
-    )
-    envs = [dict(slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)]
-    outs = run_ranks("a5_slurm.py", envs, lambda rank: tiny(tmp_path))
+    slurm = dict(SLURM_NTASKS=str(tasks), SLURM_NODEID="0", SLURM_NODELIST="localhost", SLURM_JOB_ID=job)
+    slurm.update(SLURM_TASKS_PER_NODE=str(tasks), SLURM_STEP_ID="0")
+    argv = [sys.executable, *program, *tiny(tmp_path)]
+    envs = [dict(slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(tasks)]
+    outs = run_together([(argv, env) for env in envs])
     for rank, out in enumerate(outs):
         # the rank from SLURM_PROCID, the master from SLURM_NODELIST, the port from SLURM_JOB_ID
         assert f"[slurm] rank {rank} of 2, local rank {rank} of 2 on node 0, master localhost:{port}" in out
@@ -202,129 +389,162 @@ def test_a5_runs_under_a_slurm_environment(tmp_path):
 
 
 @pytest.mark.slow
-def test_a6_framework_takes_a_recipe_and_key_value_pairs(tmp_path):
+@runs_doc("06_framework_config.py", "--cfg configs/digits.yaml")
+def test_06_framework_takes_a_recipe_and_key_value_pairs(tmp_path, doc):
     run_dir = tmp_path / "r"
-    out = torchrun(
-        "a6_framework.py",
-        "--cfg",
-        "configs/digits.yaml",
-        "TRAIN.EPOCHS",
-        "1",
-        "train.max_steps",
-        "3",
-        "OUT_DIR",
-        str(run_dir),
-    )
+    out = run_doc(doc, "TRAIN.EPOCHS", "1", "train.max_steps", "3", "OUT_DIR", str(run_dir))
     assert out.count("ddpkit: 2 process(es), backend gloo") == 1
     assert len(re.findall(rf"^final val_acc1 \S+ \(\S+%\) on {DIGITS_VAL} samples$", out, re.M)) == 1, out
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 3
 
 
-def test_a6_framework_names_a_wrong_key_and_exits_2():
-    cmd = [sys.executable, str(EXAMPLES / "a6_framework.py"), "OPTIM.BASE_LR", "6.4"]
+def test_06_every_recipe_and_override_in_the_docstring_loads(monkeypatch):
+    parser = example_parser("06_framework_config.py", monkeypatch)
+    framework = importlib.import_module("06_framework_config")
+    for doc in doc_commands("06_framework_config.py"):
+        args = parser.parse_args(doc.example_args())
+        assert (REPO / args.cfg).is_file(), args.cfg
+        ddpkit.load_config(REPO / args.cfg, framework.overrides(args.opts))  # a wrong key raises UserError
+
+
+def test_06_framework_names_a_wrong_key_and_exits_2():
+    cmd = [sys.executable, str(EXAMPLES / "06_framework_config.py"), "OPTIM.BASE_LR", "6.4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(), cwd=REPO)
     assert proc.returncode == 2 and "unknown config key 'optim.base_lr'" in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("06_framework_config.py: error: ") and "Traceback" not in proc.stderr
 
 
-# ------------------------------------------------------------------------------ B: manual rendezvous
+# ------------------------------------------------------------------------- steps 7-9: rendezvous by hand
 
 
 def _assert_trained_on_rank0_only(outs: list[str], world: int) -> None:
-    assert (
-        len(
-            re.findall(
-                rf"^epoch 1/1 \| train loss \S+ \(mean of {world} ranks\) \| val acc \S+% on {DIGITS_VAL} samples$",
-                outs[0],
-                re.M,
-            )
-        )
-        == 1
-    ), outs[0]
+    epoch = (
+        rf"^epoch 1/1 \| train loss \S+ \(mean of {world} ranks\) \| val acc \S+% on {DIGITS_VAL} samples$"
+    )
+    assert len(re.findall(epoch, outs[0], re.M)) == 1, outs[0]
     assert all(out.strip() == "" for out in outs[1:]), outs[1:]
 
 
+def _ranks(docs: tuple[DocCommand, ...], tmp_path, replace: dict[str, str]) -> list[str]:
+    return run_together([d.argv(*tiny(tmp_path, train_size=96), replace=replace) for d in docs])
+
+
 @pytest.mark.slow
-def test_b7_three_processes_started_by_hand_meet_over_tcp(tmp_path):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    outs = run_ranks(
-        "b7_tcp_three_terminals.py",
-        [{}] * 3,
-        lambda r: [f"--init-method={url}", f"--rank={r}", "--world-size=3", *tiny(tmp_path, train_size=96)],
-    )
+@runs_doc("07_tcp_three_terminals.py", "--rank 0", "--rank 1", "--rank 2", together=True)
+def test_07_three_processes_started_by_hand_meet_over_tcp(tmp_path, doc):
+    url = f"tcp://127.0.0.1:{free_port()}"  # the docstring's port may be taken on a shared machine
+    outs = _ranks(doc, tmp_path, {"tcp://127.0.0.1:22225": url})
     assert f"3 processes joined at {url}, backend gloo" in outs[0]
     _assert_trained_on_rank0_only(outs, 3)
     saved_model(tmp_path / "out" / "model.pt")
 
 
 @pytest.mark.slow
-def test_b8_shared_file_rendezvous(tmp_path):
-    url = f"file://{tmp_path / 'sharedfile'}"  # must not exist beforehand
-    outs = run_ranks(
-        "b8_shared_file.py",
-        [{}] * 2,
-        lambda r: [f"--init-method={url}", f"--rank={r}", "--world-size=2", *tiny(tmp_path)],
-    )
+@runs_doc("08_shared_file.py", "--rank 0", "--rank 1", together=True)
+def test_08_shared_file_rendezvous(tmp_path, doc):
+    url = f"file://{tmp_path / 'sharedfile'}"  # a fresh file (it must not exist beforehand)
+    outs = _ranks(doc, tmp_path, {"file:///tmp/ddpkit_sharedfile": url})
     assert f"2 processes joined at {url}" in outs[0]
     _assert_trained_on_rank0_only(outs, 2)
 
 
 @pytest.mark.slow
-def test_b9_env_variables_rendezvous(tmp_path):
+@runs_doc("09_env_variables.py", "RANK=0", "RANK=1", together=True)
+def test_09_env_variables_rendezvous(tmp_path, doc):
     port = free_port()
-    envs = [
-        dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r)) for r in range(2)
-    ]
-    outs = run_ranks("b9_env.py", envs, lambda r: tiny(tmp_path))
+    outs = _ranks(doc, tmp_path, {"MASTER_PORT=29500": f"MASTER_PORT={port}"})
     assert f"rank 0 of 2 via env:// at 127.0.0.1:{port}" in outs[0]
     _assert_trained_on_rank0_only(outs, 2)
 
 
-# -------------------------------------------------------------------------------------- C: the rules
+# -------------------------------------------------------------------- steps 10-11: the rules, the files
 
 
 @pytest.mark.slow
-def test_c_rules_ranks_batches_seeds_mean_loss_and_rank0_saving(tmp_path):
-    out = torchrun("c_rules.py", *tiny(tmp_path))
+@runs_doc("10_ddp_rules.py", "torchrun --nproc-per-node 2 examples/10_ddp_rules.py")
+def test_10_rules_ranks_batches_seeds_mean_loss_and_rank0_saving(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path))
     ranks = re.findall(r"^rank (\d) \| local_rank (\d) \| world_size 2 \| device cpu \| gloo$", out, re.M)
-    assert sorted(ranks) == [("0", "0"), ("1", "1")]  # C.10: one line per process
-    assert "batch 16 per process x 2 processes = global batch 32" in out  # C.11
+    assert sorted(ranks) == [("0", "0"), ("1", "1")]  # one line per process
+    assert "batch 16 per process x 2 processes = global batch 32" in out
     assert "lr 0.4 at batch 256 -> 0.05 at 32" in out
     assert "steps per epoch: 2 (a plain DataLoader: 4, each process sees the whole set)" in out
-    inits = re.search(r"^init checksum per rank: \[(\S+), (\S+)\] \(identical\)$", out, re.M)  # C.12
+    inits = re.search(r"^init checksum per rank: \[(\S+), (\S+)\] \(identical\)$", out, re.M)
     assert inits and inits.group(1) == inits.group(2)
     aug = re.search(r"^augmented samples 0-7 checksum per rank: \[(\S+), (\S+)\] \(different\)$", out, re.M)
     assert aug and aug.group(1) != aug.group(2)
-    losses = re.search(r"^train loss per rank \[(\S+), (\S+)\] -> all_reduce mean (\S+)$", out, re.M)  # C.15
+    losses = re.search(r"^train loss per rank \[(\S+), (\S+)\] -> all_reduce mean (\S+)$", out, re.M)
     assert losses and abs((float(losses[1]) + float(losses[2])) / 2 - float(losses[3])) < 1e-3
-    assert out.count("rank 0 saved") == 1 and len(step_lines(out)) == 1  # C.14
+    assert out.count("rank 0 saved") == 1 and len(step_lines(out)) == 1
     assert "0.weight" in saved_model(tmp_path / "out" / "model.pt")
 
 
 @pytest.mark.slow
-def test_c_files_rank0_prepares_pretrained_weights_and_checkpoint_round_trip(tmp_path):
-    out = torchrun("c_files.py", *tiny(tmp_path))
-    assert "data prepared by rank 0 (64 samples), read by all 2 ranks" in out  # C.16
+@runs_doc("11_weights_and_checkpoints.py", "torchrun --nproc-per-node 2")
+def test_11_rank0_prepares_pretrained_weights_checkpoint_round_trip_and_resume(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path, epochs=2))
+    assert "data prepared by rank 0 (64 samples), read by all 2 ranks" in out
     weights = re.search(
         r"^weights per rank: random init \[(\S+), (\S+)\] -> after loading pretrained.pt \[(\S+), (\S+)\]$",
         out,
         re.M,
     )
-    assert weights and weights[1] != weights[2] and weights[3] == weights[4], out  # C.13
-    assert re.search(
-        r"^checkpoint round trip: every rank's weights equal \S+: \[True, True\]$", out, re.M
-    )  # C.17
+    assert weights and weights[1] != weights[2] and weights[3] == weights[4], out
+    assert re.search(r"^checkpoint round trip: every rank's weights equal \S+: \[True, True\]$", out, re.M)
+    resumed = re.search(
+        r"^resumed after epoch 1: epoch 2 retrained to the same weights \[(\S+), (\S+)\]$", out, re.M
+    )
+    assert resumed and resumed[1] == resumed[2], out
     state = saved_model(tmp_path / "out" / "model.pt")
     pretrained = load_checkpoint(tmp_path / "out" / "pretrained.pt")["model"]
     assert state.keys() == pretrained.keys() and not all(torch.equal(state[k], pretrained[k]) for k in state)
+    assert load_checkpoint(tmp_path / "out" / "resume.pt")["extra"] == {"epoch": 1}
 
 
-# ------------------------------------------------------------------------------ E: model parallelism
+# ----------------------------------------------------------------- steps 13-14: model parallel, notebooks
+
+
+@runs_doc("13_model_parallel.py", "python examples/13_model_parallel.py")
+def test_13_two_halves_in_one_process(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path))
+    assert "rank 0: part1 on cpu, part2 on cpu" in out and out.count("epoch 1/1 | train loss") == 1
+    assert re.search(r"^replicas identical after training: \[\S+\]$", out, re.M), out
 
 
 @pytest.mark.slow
-def test_e21_two_device_halves_under_ddp_stay_identical(tmp_path):
-    out = torchrun("e21_model_parallel.py", *tiny(tmp_path))
+@runs_doc("13_model_parallel.py", "torchrun --nproc-per-node 2")
+def test_13_two_device_halves_under_ddp_stay_identical(tmp_path, doc):
+    out = run_doc(doc, *tiny(tmp_path))
     assert sorted(re.findall(r"^rank (\d): part1 on cpu, part2 on cpu$", out, re.M)) == ["0", "1"]
     assert out.count("epoch 1/1 | train loss") == 1
     sums = re.search(r"^replicas identical after training: \[(\S+), (\S+)\]$", out, re.M)
     assert sums and sums.group(1) == sums.group(2)
+
+
+def _assert_two_rank_results(out: str) -> None:
+    results = [ast.literal_eval(ln) for ln in out.splitlines() if ln.startswith("{'rank'")]
+    assert [r["rank"] for r in results] == [0, 1], out
+    assert [r["train samples per epoch"] for r in results] == [32, 32]  # ceil(64 / 2) each
+    assert sum(r["val samples scored here"] for r in results) == DIGITS_VAL  # an exact split
+    assert len({r["val acc (all ranks)"] for r in results}) == 1  # both scored the gathered predictions
+    assert len({r["weights checksum"] for r in results}) == 1
+    assert len({r["last epoch's loss"] for r in results}) == 2  # each rank's own shard
+    assert len(step_lines(out)) == 1  # rank 0's log line
+
+
+@pytest.mark.slow
+@runs_doc("14_notebook_launch.py", "python examples/14_notebook_launch.py")
+def test_14_launch_runs_the_function_on_two_processes_and_returns_each_result(tmp_path, doc):
+    _assert_two_rank_results(run_doc(doc, *tiny(tmp_path)))
+
+
+@pytest.mark.slow
+def test_14_runs_as_notebook_cells(tmp_path):
+    """The script's code run by an interpreter without a file (as in a notebook): launch forks its workers."""
+    cells = (EXAMPLES / "14_notebook_launch.py").read_text()
+    code = (
+        f"import sys; sys.path.insert(0, {str(EXAMPLES)!r}); exec(compile({cells!r}, '<notebook>', 'exec'))"
+    )
+    argv = [sys.executable, "-c", code, *tiny(tmp_path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(), cwd=REPO)
+    _assert_two_rank_results(_check(proc))

@@ -1,12 +1,13 @@
-"""The tutorials' distributed SGD by hand (SCENARIOS.md §D.20), next to the same training with DDP.
+"""Step 12: what DDP does, written by hand: distributed SGD that all-reduces the gradients, next to DDP.
+
+    python examples/12_dist_sgd_by_hand.py                          # one process
+    torchrun --nproc-per-node 2 examples/12_dist_sgd_by_hand.py     # two processes (gloo on CPU)
 
 Every process draws the same shuffle of the digits data set (fixed seed), keeps its fraction 1/N of it, and
 trains on batches of 128/N. After backward() it all-reduces every gradient and divides it by N: each rank then
 holds the gradient of the global batch of 128 and takes the same step. DDP computes the same average, in
-buckets that overlap the communication with the backward pass, so both give the same weights.
-
-    python examples/dist_sgd_by_hand.py                          # one process
-    torchrun --nproc-per-node 2 examples/dist_sgd_by_hand.py     # two processes (gloo on CPU)
+buckets that overlap the communication with the backward pass, so both give the same weights; rank 0 prints
+how far apart they ended.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def average_gradients(model: nn.Module) -> None:
 def train(
     mode: str, steps: int, seed: int = 0, device: torch.device | str = "cpu", lr: float = 0.1
 ) -> nn.Module:
-    """`steps` SGD steps on this rank's partition, gradients synchronised `by_hand`, by `ddp`, or not (`local`)."""
+    """`steps` SGD steps on this rank's partition, gradients synced `by_hand`, by `ddp` or not (`local`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     rank, world_size = ddpkit.get_rank(), ddpkit.get_world_size()
@@ -109,7 +110,8 @@ def main() -> None:
     if ddpkit.is_main_process():
         print(
             f"{world_size} process(es) ({backend}), batch {GLOBAL_BATCH // world_size} each, {steps} steps: "
-            f"accuracy by hand {accuracy(by_hand, digits(), device):.3f}, DDP {accuracy(ddp, digits(), device):.3f}; "
+            f"accuracy by hand {accuracy(by_hand, digits(), device):.3f}, "
+            f"DDP {accuracy(ddp, digits(), device):.3f}; "
             f"largest weight difference {gap:.2e}"
         )
     ddpkit.shutdown()

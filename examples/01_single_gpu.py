@@ -1,10 +1,13 @@
-"""SCENARIOS A.1: one process, one device. ResNet-18 on CIFAR-10, batch 256, 5 epochs, SGD lr 0.01.
+"""Step 1 of the path: the starting point, one process on one device (no ddpkit distribution yet).
 
-    python examples/a1_single_gpu.py --data cifar10 --data-root data     # CIFAR-10 under data/cifar-10-batches-py
-    python examples/a1_single_gpu.py                                     # scikit-learn's digits (no download)
+ResNet-18 on CIFAR-10, batch 256, 5 epochs, SGD lr 0.01:
+
+    python examples/01_single_gpu.py --data cifar10    # needs CIFAR-10 in data/cifar-10-batches-py/
+    python examples/01_single_gpu.py                   # scikit-learn's digits (no download)
 
 Prints `   == step: [ 50/196] [1/5] | loss: 1.959 | acc: 28.633%` every 50 steps and at the end of each epoch
-(the tutorial reaches about 65% train accuracy on CIFAR-10 after 5 epochs).
+(about 65% train accuracy on CIFAR-10 after 5 epochs); --data-root names another folder for the CIFAR-10
+files. Step 2 changes one line of this script, step 3 ports it to DDP.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import ddpkit
 
 
 def main(args, wrap=lambda model: model) -> None:
-    """Train; `wrap` is the one line A.2 changes (nn.DataParallel)."""
+    """Train; `wrap` is the one line step 2 changes (nn.DataParallel)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ddpkit.seed_everything(0)
     train_set, _, spec = common.datasets(args)

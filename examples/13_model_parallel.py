@@ -1,11 +1,12 @@
-"""SCENARIOS E.21: model parallelism: the first half of a model on one device, the second on another.
+"""Step 13: model parallelism: the first half of a model on one device, the second half on another.
 
-    python examples/e21_model_parallel.py                             # one process, two GPUs (cuda:0, cuda:1)
-    torchrun --nproc-per-node 2 examples/e21_model_parallel.py        # + DDP: rank r owns cuda:2r, cuda:2r+1
+    python examples/13_model_parallel.py                             # one process, two GPUs (cuda:0, cuda:1)
+    torchrun --nproc-per-node 2 examples/13_model_parallel.py        # + DDP: rank r owns cuda:2r, cuda:2r+1
 
 The activations move from the first device to the second inside forward(), and autograd moves the gradients
-back. Combined with DDP, each process owns both halves (several devices), so DDP is built without
-device_ids. Without enough GPUs both "devices" are the CPU: the code path is the same, only nothing moves.
+back. Combined with DDP, each process owns both halves (several devices), so DDP is built by hand without
+device_ids (ddpkit.prepare would move the whole model to one device). Without enough GPUs both "devices" are
+the CPU: the code path is the same, only nothing moves.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""SCENARIOS B.9: env:// (the default): the rendezvous comes from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE.
+"""Step 9: env://, the default rendezvous: MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE say it all.
 
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=0 python examples/b9_env.py
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=1 python examples/b9_env.py
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=0 python examples/09_env_variables.py
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=1 python examples/09_env_variables.py
 
 This is how Kubeflow's PyTorchJob starts its pods (the master pod is RANK 0) and what torchrun sets for
-each worker. ddpkit.init_distributed() with no arguments reads them.
+each worker. ddpkit.init_distributed() with no arguments reads them; the training is step 7's.
 """
 
 from __future__ import annotations
