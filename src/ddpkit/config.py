@@ -147,6 +147,24 @@ class DistConfig:
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "auto: cuda when a GPU is visible, unless backend=gloo"
     )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = opt(
+        "none",
+        "compress DDP's gradient all-reduce with torch's communication hooks: fp16 or bf16 halves the bytes, "
+        "powersgd sends a low-rank approximation (ddp and zero1 only; one process has nothing to send)",
+    )
+    powersgd_rank: int = opt(
+        1, "PowerSGD's matrix approximation rank (more: closer to exact, more bytes)", gt=0
+    )
+    powersgd_warmup_steps: int = opt(
+        10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
+    )
+    bucket_cap_mb: float | None = opt(
+        None, "DDP's gradient bucket size in MiB; null: torch's default (25)", gt=0
+    )
+    static_graph: bool = opt(False, "DDP static_graph=True: the same parameters take part in every step")
+    grad_as_bucket_view: bool = opt(
+        False, "DDP gradient_as_bucket_view=True: gradients live in the buckets (less memory, one copy fewer)"
+    )
 
 
 @dataclass
@@ -264,10 +282,30 @@ def load_config(
         raise UserError(
             "dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU"
         )
+    _check_ddp_knobs(cfg.dist)
     from ddpkit.data.registry import get_dataset  # the registry knows every data set, built-in or not
 
     get_dataset(cfg.data.dataset)
     return cfg
+
+
+def _check_ddp_knobs(d: DistConfig) -> None:
+    """DDP's communication knobs with a strategy that has no DDP wrapper to give them to."""
+    knobs = [
+        f"dist.{k}={v}"
+        for k, v, default in (
+            ("grad_compression", d.grad_compression, "none"),
+            ("bucket_cap_mb", d.bucket_cap_mb, None),
+            ("static_graph", d.static_graph, False),
+            ("grad_as_bucket_view", d.grad_as_bucket_view, False),
+        )
+        if v != default
+    ]
+    if knobs and d.strategy in ("single", "dp", "fsdp"):
+        raise UserError(
+            f"{knobs[0]} is a DDP setting, but dist.strategy={d.strategy} has no DDP wrapper",
+            "use dist.strategy=ddp, zero1 or auto, or drop the setting",
+        )
 
 
 def _flatten(tree: dict, name: str, known: bool = False, prefix: str = "") -> dict[str, Any]:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
 
@@ -60,6 +61,13 @@ class Strategy:
     ) -> torch.optim.Optimizer:
         return factory(model)
 
+    def hook_state(self) -> dict | None:
+        """The gradient-communication hook's state to checkpoint (None: no hook)."""
+        return None
+
+    def load_hook_state(self, state: dict | None) -> None:
+        """Restore hook_state() (nothing to do without a hook)."""
+
     def model_state(self, wrapped: nn.Module) -> dict:
         return self.unwrap(wrapped).state_dict()
 
@@ -91,13 +99,31 @@ class DataParallelStrategy(Strategy):
 
 
 class DDPStrategy(Strategy):
+    """DistributedDataParallel, with an optional gradient-compression hook (torch's own DDP comm hooks)."""
+
     name = "ddp"
+
+    def __init__(
+        self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
+    ):
+        super().__init__(ctx, ddp_options)
+        self.compression = compression or Compression()
+        self._hook_state = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        return DDP(model, device_ids=ids, **self.ddp_options)
+        ddp = DDP(model, device_ids=ids, **self.ddp_options)
+        self._hook_state = self.compression.register(ddp)
+        return ddp
+
+    def hook_state(self) -> dict | None:
+        """The compression hook's state (PowerSGD's error feedback, warm-start factors, step, RNG) for a checkpoint."""
+        return self.compression.state_dict(self._hook_state)
+
+    def load_hook_state(self, state: dict | None) -> None:
+        self.compression.load_state_dict(self._hook_state, state, self.ctx.device)
 
     def sync_context(self, wrapped: nn.Module, sync: bool):
         return contextlib.nullcontext() if sync else wrapped.no_sync()
@@ -179,8 +205,11 @@ class FSDPStrategy(Strategy):
             set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
 
 
-def build_strategy(name: str, ctx: DistContext, ddp_options: dict | None = None) -> Strategy:
-    """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel."""
+def build_strategy(
+    name: str, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
+) -> Strategy:
+    """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
+    `compression` registers its gradient hook on it (ddp and zero1)."""
     name = resolve_strategy(name, ctx.world_size)
     if name in ("ddp", "zero1", "fsdp") and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
@@ -190,4 +219,4 @@ def build_strategy(name: str, ctx: DistContext, ddp_options: dict | None = None)
         "ddp": DDPStrategy,
         "zero1": Zero1Strategy,
         "fsdp": FSDPStrategy,
-    }[name](ctx, ddp_options)
+    }[name](ctx, ddp_options, **({"compression": compression} if name in ("ddp", "zero1") else {}))
