@@ -198,9 +198,11 @@ def _signal_name(code: int) -> str:
 def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
     ranks = ", ".join(f"rank {r} ({_signal_name(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
-    err = WorkerFailure(f"worker {ranks} failed{after}")
-    err.exit_code = 2 if failures and all(c == 2 for c in failures.values()) else 1
-    return err
+    user_errors = bool(failures) and all(c == 2 for c in failures.values())
+    # Workers that failed on a user error already printed why: exit 2 like them, without a second line.
+    return WorkerFailure(
+        f"worker {ranks} failed{after}", exit_code=2 if user_errors else 1, report=not user_errors
+    )
 
 
 def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exception:
