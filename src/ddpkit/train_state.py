@@ -55,9 +55,9 @@ class TrainState:
         self.epoch = 0  # finished epochs
         self.step = 0  # optimizer steps taken
         self.best_acc1 = -1.0
-        self.sums = RunningSums(
-            device
-        )  # this epoch's train loss/correct/count (rank 0 also holds resumed ones)
+        # This epoch's train loss/correct/count (rank 0 also holds those from before a resume) ...
+        self.sums = RunningSums(device)
+        self.resumed_samples = 0  # ... and how many samples those were
 
     @property
     def consumed(self) -> int:
@@ -72,7 +72,7 @@ class TrainState:
         # Augmentation and dropout streams: a function of (seed, rank, epoch), so a resumed run repeats them.
         seed_everything(derive_seed(self.seed, self.rank, epoch))
         self.loader.set_epoch(epoch)
-        self.sums = RunningSums(self.device)
+        self.sums, self.resumed_samples = RunningSums(self.device), 0
 
     def end_epoch(self, epoch: int) -> bool:
         """After the train loop of epoch `epoch`: True (and the epoch counts as finished) unless it stopped early."""
@@ -110,11 +110,14 @@ class TrainState:
         self.best_acc1 = float(state.get("best_acc1", -1.0))
         consumed = int(state.get("consumed") or 0)
         self.loader.load_state_dict({"epoch": self.epoch + 1, "consumed": consumed})
-        self.sums = RunningSums(self.device)
+        self.sums, self.resumed_samples = RunningSums(self.device), 0
         if not consumed:
             return
         rng = state.get("rng")
         if rng and len(rng) == self.world_size:  # on another world size the streams cannot be continued
             set_rng_state(rng[self.rank])
-        if state.get("partial_sums") and self.rank == 0:  # counted once: by rank 0
-            self.sums.t += torch.tensor(state["partial_sums"], dtype=torch.float64, device=self.device)
+        partial = state.get("partial_sums")
+        if partial:
+            self.resumed_samples = int(partial[2])
+            if self.rank == 0:  # counted once: by rank 0
+                self.sums.t += torch.tensor(partial, dtype=torch.float64, device=self.device)

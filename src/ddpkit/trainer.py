@@ -313,6 +313,7 @@ class Trainer:
 
     def _metrics_row(self, epoch: int, train: tuple[float, float, int], val: dict, elapsed: float) -> dict:
         loss, acc1, samples = train
+        samples -= self.state.resumed_samples  # the throughput of this process's part of the epoch
         return {
             "epoch": epoch,
             "step": self.state.step,
