@@ -32,8 +32,10 @@ def make_cfg(arch: str = "cnn", **model) -> Config:
     return cfg
 
 
-def build(arch: str = "cnn", num_classes: int = 10, c: int = 1, size: int = 8, **model) -> nn.Module:
-    return build_model(make_cfg(arch, **model), num_classes, c, size)
+def build(
+    arch: str = "cnn", num_classes: int = 10, c: int = 1, size: int = 8, report=None, **model
+) -> nn.Module:
+    return build_model(make_cfg(arch, **model), num_classes, c, size, report=report)
 
 
 # ------------------------------------------------------------------------------------------ architectures
@@ -209,23 +211,25 @@ def test_pretrained_round_trip(tmp_path, layout):
     path = tmp_path / "w.pt"
     torch.save(obj, path)
     torch.manual_seed(2)
-    fresh = build("cnn", pretrained=str(path))
+    messages: list[str] = []
+    fresh = build("cnn", pretrained=str(path), report=messages.append)
     _assert_same(src, fresh)
-    assert "loaded" in fresh.ddpkit_pretrained_message
+    assert len(messages) == 1 and "loaded" in messages[0]
 
 
 def test_pretrained_skips_classifier_when_num_classes_differs(tmp_path):
     src = _trained_like(num_classes=10)
     path = tmp_path / "w.pt"
     torch.save(src.state_dict(), path)
-    model = build("cnn", 5, pretrained=str(path))
+    messages: list[str] = []
+    model = build("cnn", 5, pretrained=str(path), report=messages.append)
     sa, sb = src.state_dict(), model.state_dict()
     for k in sa:
         if k.startswith("fc."):
             assert sb[k].shape[0] == 5
         else:
             assert torch.equal(sa[k], sb[k]), k
-    msg = model.ddpkit_pretrained_message
+    msg = messages[0]
     assert "classifier" in msg and "fc.weight" in msg and "num_classes" in msg
 
 
@@ -243,10 +247,11 @@ def test_pretrained_torchvision_partial_head(tmp_path):
     src = torchvision.models.resnet18(num_classes=1000)
     path = tmp_path / "r18.pth"
     torch.save(src.state_dict(), path)
-    model = build("resnet18", 10, 1, 32, pretrained=str(path))  # gray input: keys still torchvision's
+    messages: list[str] = []
+    model = build("resnet18", 10, 1, 32, pretrained=str(path), report=messages.append)  # gray input
     assert torch.equal(model.conv1.weight, src.conv1.weight)
     assert model.fc.weight.shape == (10, 512)
-    assert "fc.weight" in model.ddpkit_pretrained_message
+    assert "fc.weight" in messages[0]
 
 
 def test_pretrained_missing_file(tmp_path):
@@ -318,9 +323,10 @@ def test_pretrained_torchvision_loads_default_weights(monkeypatch):
     torch.manual_seed(3)
     imagenet = torchvision.models.resnet18().state_dict()
     monkeypatch.setattr(WeightsEnum, "get_state_dict", lambda self, *a, **k: imagenet)
-    model = build("resnet18", 10, 3, 32, pretrained="torchvision")
+    messages: list[str] = []
+    model = build("resnet18", 10, 3, 32, pretrained="torchvision", report=messages.append)
     assert torch.equal(model.layer4[1].conv2.weight, imagenet["layer4.1.conv2.weight"])
-    assert "classifier" in model.ddpkit_pretrained_message
+    assert "classifier" in messages[0]
 
 
 def test_pretrained_torchvision_needs_torchvision_arch():

@@ -163,14 +163,16 @@ class Trainer:
                 train = self.train_epoch(epoch)  # ends early on an agreed stop or at train.max_steps
                 if self.stop.stopped and state.consumed and self._more_to_train():
                     self.checkpoint()  # mid-epoch: the rerun continues from the next sample
-                    raise self.stop.preempted(f"at step {state.step} (checkpoint written)", self.ctx.is_main)
+                    where = f"at step {state.step}; checkpoint written, rerun the same command to continue"
+                    raise self.stop.preempted(where, self.ctx.is_main)
                 val = self.evaluate() if self._eval_due(epoch) else dict.fromkeys(VAL_KEYS)
                 last = self._metrics_row(epoch, train, val, time.perf_counter() - t0)
                 self.checkpoint(last)  # before the metrics line: the checkpoint carries it
                 self.log.metrics(last)
                 self.log.info(self._epoch_line(last))
                 if self.stop.poll(state.step, force=True).stop:
-                    raise self.stop.preempted(f"after epoch {epoch}", self.ctx.is_main)
+                    where = f"after epoch {epoch}; rerun the same command to continue"
+                    raise self.stop.preempted(where, self.ctx.is_main)
             return self._finish(last)
 
     def train_epoch(self, epoch: int) -> tuple[float, float, int]:
@@ -207,9 +209,8 @@ class Trainer:
         self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
             x, y = to_device(x, y, self.device, self.cfg.model.channels_last)
-            with self.strategy.sync_context(
-                self.wrapped, sync=i == accum - 1
-            ):  # DDP: no_sync before the last
+            # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
+            with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
                 with self.autocast():
                     logits = self.wrapped(x)
                 loss = self.criterion(logits.float(), y)

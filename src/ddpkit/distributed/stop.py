@@ -91,9 +91,8 @@ class StopAgreement:
         return Decision(self.stopped, periodic or due)
 
     def preempted(self, where: str, report: bool) -> Preempted:
-        """The exception that ends a stopped run (`report`: this process prints the line)."""
-        name = signal.Signals(self.signum).name
-        return Preempted(f"stopped by {name} {where}; rerun the same command to continue", report=report)
+        """`stopped by SIGNAL {where}`: the exception that ends a stopped run (`report`: this process prints it)."""
+        return Preempted(f"stopped by {signal.Signals(self.signum).name} {where}", report=report)
 
 
 class NonFiniteLoss:
