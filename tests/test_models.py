@@ -12,10 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from ddpkit import models
 from ddpkit.config import Config
 from ddpkit.distributed.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
 from ddpkit.errors import UserError
 from ddpkit.models import (
+    MODEL_FAMILIES,
+    ModelFamily,
     build_model,
     check_arch,
     load_matching,
@@ -127,6 +130,31 @@ def test_unknown_arch_suggests_builtin():
 @pytest.mark.parametrize("arch", ["cnn", "mlp", "resnet18", "vit_b_16"])
 def test_check_arch_accepts_valid(arch):
     check_arch(make_cfg(arch))
+
+
+def _check_toy(arch: str) -> None:
+    if not arch[len("toy:") :].isdigit():
+        raise UserError(f"bad toy model '{arch}'", "write toy:N")
+
+
+def test_a_model_family_is_one_registry_entry(monkeypatch):
+    toy = ModelFamily(
+        "toy",
+        owns=lambda arch: arch.startswith("toy:"),
+        build=lambda arch, n, c, size: nn.Sequential(nn.Flatten(), nn.Linear(c * size * size, n)),
+        check=_check_toy,
+        names=lambda: ["toy:1"],
+    )
+    monkeypatch.setattr(models, "MODEL_FAMILIES", (*MODEL_FAMILIES, toy))
+    check_arch(make_cfg("toy:1"))
+    assert build("toy:1", 4, 1, 8)(torch.randn(2, 1, 8, 8)).shape == (2, 4)
+    with pytest.raises(UserError, match="bad toy"):
+        build("toy:x")
+    with pytest.raises(UserError, match="did you mean 'toy:1'"):
+        check_arch(make_cfg("tyo:1"))  # its names are suggested like everyone's
+    with pytest.raises(UserError, match="needs a torchvision model"):
+        check_arch(make_cfg("toy:1", pretrained="torchvision"))
+    assert [f.name for f in MODEL_FAMILIES] == ["builtin", "timm", "torchvision"]
 
 
 def test_timm_missing_is_user_error(monkeypatch):
