@@ -51,6 +51,7 @@ def test_failed_workers_exit_1_and_are_named_unless_all_failed_on_a_user_error()
     said_why = _failure({0: 2, 1: 2}, 0)  # each worker printed its own `ddpkit: error:` line already
     assert (said_why.exit_code, said_why.report) == (2, False)
     assert (_failure({0: 2, 1: 1}, 0).exit_code, _failure({0: 3, 1: 1}, 0).exit_code) == (1, 1)
+    assert (_failure({0: 7, 1: 7}, 0).exit_code, _failure({0: -9, 1: -9}, 0).exit_code) == (7, 1)
 
 
 def test_a_command_that_succeeds_exits_0(capsys):

@@ -23,7 +23,7 @@ def test_a_signal_stops_a_single_process_at_the_next_step_and_handlers_come_back
         assert agreement.poll(2).stop and agreement.stopped
         err = agreement.preempted("at step 2; checkpoint written", report=True)
     assert signal.getsignal(signal.SIGUSR1) is before
-    assert isinstance(err, Preempted) and err.exit_code == 3 and err.report
+    assert isinstance(err, Preempted) and err.exit_code == 3 and err.report and err.signum == signal.SIGUSR1
     assert str(err).startswith("stopped by SIGUSR1 at step 2")
 
 

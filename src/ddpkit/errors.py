@@ -48,10 +48,17 @@ class TrainingFailure(Failure):
 
 
 class Preempted(Failure):
-    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing; rerunning continues it."""
+    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing; rerunning continues it.
+
+    `signum`: the signal that stopped it, when known.
+    """
 
     exit_code = 3
     prefix = "ddpkit: "
+
+    def __init__(self, message: str, *, signum: int | None = None, report: bool = True):
+        super().__init__(message, report=report)
+        self.signum = signum
 
 
 def first_line(e: BaseException | str, limit: int = 200, joined: bool = False) -> str:

@@ -198,11 +198,11 @@ def _signal_name(code: int) -> str:
 def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
     ranks = ", ".join(f"rank {r} ({_signal_name(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
-    user_errors = bool(failures) and all(c == 2 for c in failures.values())
-    # Workers that failed on a user error already printed why: exit 2 like them, without a second line.
-    return WorkerFailure(
-        f"worker {ranks} failed{after}", exit_code=2 if user_errors else 1, report=not user_errors
-    )
+    codes = set(failures.values())
+    # The workers' own status when they agree on one, else 1; exit 2 means they all met a user error and said
+    # why, one line each, so the launcher adds none.
+    code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
+    return WorkerFailure(f"worker {ranks} failed{after}", exit_code=code, report=code != 2)
 
 
 def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exception:

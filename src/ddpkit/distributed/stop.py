@@ -92,7 +92,8 @@ class StopAgreement:
 
     def preempted(self, where: str, report: bool) -> Preempted:
         """`stopped by SIGNAL {where}`: the exception that ends a stopped run (`report`: this process prints it)."""
-        return Preempted(f"stopped by {signal.Signals(self.signum).name} {where}", report=report)
+        name = signal.Signals(self.signum).name
+        return Preempted(f"stopped by {name} {where}", signum=self.signum, report=report)
 
 
 class NonFiniteLoss:
