@@ -378,6 +378,16 @@ def test_max_steps_inside_an_epoch_checkpoints_mid_epoch_and_a_larger_max_steps_
     assert first["train_images_per_s"] * first["epoch_time_s"] == pytest.approx(39 * 32, rel=0.02)
 
 
+def test_an_epoch_with_less_than_one_step_left_after_a_resume_ends_instead_of_repeating(tmp_path):
+    # A checkpoint 1400 samples into the epoch, resumed where one optimizer step takes 64: the 38 left make no
+    # step, so the epoch is over (before, the loop trained nothing, never finished the epoch, and fit() looped).
+    trainer = Trainer(small_config(tmp_path / "run", "train.batch_size=64"), dist_context(0, 1))
+    trainer.state.load_state_dict({"epoch": 0, "step": 40, "consumed": 1400})
+    loss, acc, samples = trainer.train_epoch(1)
+    assert (trainer.state.epoch, trainer.state.step, trainer.state.consumed, samples) == (1, 40, 0, 0)
+    trainer.log.close()
+
+
 def _one_step_nan_first(rank: int, world_size: int, out_dir: str) -> dict:
     cfg = small_config(out_dir, "train.grad_accum_steps=2", "train.nonfinite=skip", "train.batch_size=4")
     trainer = Trainer(cfg, dist_context(rank, world_size))

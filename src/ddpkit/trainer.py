@@ -197,6 +197,8 @@ class Trainer:
                 if decision.checkpoint and done < self.steps_per_epoch:
                     self.nonfinite.check(state.step)
                     self.checkpoint()
+            else:  # the pass ends, also when a resume on more ranks left less than one optimizer step of it
+                next(micro_batches, None)
         self.log.epoch_end()
         self.nonfinite.check(state.step)
         result = state.epoch_means()
