@@ -12,10 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from ddpkit import models
 from ddpkit.config import Config
 from ddpkit.distributed.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
 from ddpkit.errors import UserError
 from ddpkit.models import (
+    MODEL_FAMILIES,
+    ModelFamily,
     build_model,
     check_arch,
     load_matching,
@@ -32,8 +35,10 @@ def make_cfg(arch: str = "cnn", **model) -> Config:
     return cfg
 
 
-def build(arch: str = "cnn", num_classes: int = 10, c: int = 1, size: int = 8, **model) -> nn.Module:
-    return build_model(make_cfg(arch, **model), num_classes, c, size)
+def build(
+    arch: str = "cnn", num_classes: int = 10, c: int = 1, size: int = 8, report=None, **model
+) -> nn.Module:
+    return build_model(make_cfg(arch, **model), num_classes, c, size, report=report)
 
 
 # ------------------------------------------------------------------------------------------ architectures
@@ -127,6 +132,31 @@ def test_check_arch_accepts_valid(arch):
     check_arch(make_cfg(arch))
 
 
+def _check_toy(arch: str) -> None:
+    if not arch[len("toy:") :].isdigit():
+        raise UserError(f"bad toy model '{arch}'", "write toy:N")
+
+
+def test_a_model_family_is_one_registry_entry(monkeypatch):
+    toy = ModelFamily(
+        "toy",
+        owns=lambda arch: arch.startswith("toy:"),
+        build=lambda arch, n, c, size: nn.Sequential(nn.Flatten(), nn.Linear(c * size * size, n)),
+        check=_check_toy,
+        names=lambda: ["toy:1"],
+    )
+    monkeypatch.setattr(models, "MODEL_FAMILIES", (*MODEL_FAMILIES, toy))
+    check_arch(make_cfg("toy:1"))
+    assert build("toy:1", 4, 1, 8)(torch.randn(2, 1, 8, 8)).shape == (2, 4)
+    with pytest.raises(UserError, match="bad toy"):
+        build("toy:x")
+    with pytest.raises(UserError, match="did you mean 'toy:1'"):
+        check_arch(make_cfg("tyo:1"))  # its names are suggested like everyone's
+    with pytest.raises(UserError, match="needs a torchvision model"):
+        check_arch(make_cfg("toy:1", pretrained="torchvision"))
+    assert [f.name for f in MODEL_FAMILIES] == ["builtin", "timm", "torchvision"]
+
+
 def test_timm_missing_is_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "timm", None)  # `import timm` now raises ImportError
     for call in (lambda: check_arch(make_cfg("timm:resnet18")), lambda: build("timm:resnet18", 10, 3, 32)):
@@ -209,23 +239,25 @@ def test_pretrained_round_trip(tmp_path, layout):
     path = tmp_path / "w.pt"
     torch.save(obj, path)
     torch.manual_seed(2)
-    fresh = build("cnn", pretrained=str(path))
+    messages: list[str] = []
+    fresh = build("cnn", pretrained=str(path), report=messages.append)
     _assert_same(src, fresh)
-    assert "loaded" in fresh.ddpkit_pretrained_message
+    assert len(messages) == 1 and "loaded" in messages[0]
 
 
 def test_pretrained_skips_classifier_when_num_classes_differs(tmp_path):
     src = _trained_like(num_classes=10)
     path = tmp_path / "w.pt"
     torch.save(src.state_dict(), path)
-    model = build("cnn", 5, pretrained=str(path))
+    messages: list[str] = []
+    model = build("cnn", 5, pretrained=str(path), report=messages.append)
     sa, sb = src.state_dict(), model.state_dict()
     for k in sa:
         if k.startswith("fc."):
             assert sb[k].shape[0] == 5
         else:
             assert torch.equal(sa[k], sb[k]), k
-    msg = model.ddpkit_pretrained_message
+    msg = messages[0]
     assert "classifier" in msg and "fc.weight" in msg and "num_classes" in msg
 
 
@@ -243,10 +275,11 @@ def test_pretrained_torchvision_partial_head(tmp_path):
     src = torchvision.models.resnet18(num_classes=1000)
     path = tmp_path / "r18.pth"
     torch.save(src.state_dict(), path)
-    model = build("resnet18", 10, 1, 32, pretrained=str(path))  # gray input: keys still torchvision's
+    messages: list[str] = []
+    model = build("resnet18", 10, 1, 32, pretrained=str(path), report=messages.append)  # gray input
     assert torch.equal(model.conv1.weight, src.conv1.weight)
     assert model.fc.weight.shape == (10, 512)
-    assert "fc.weight" in model.ddpkit_pretrained_message
+    assert "fc.weight" in messages[0]
 
 
 def test_pretrained_missing_file(tmp_path):
@@ -318,9 +351,10 @@ def test_pretrained_torchvision_loads_default_weights(monkeypatch):
     torch.manual_seed(3)
     imagenet = torchvision.models.resnet18().state_dict()
     monkeypatch.setattr(WeightsEnum, "get_state_dict", lambda self, *a, **k: imagenet)
-    model = build("resnet18", 10, 3, 32, pretrained="torchvision")
+    messages: list[str] = []
+    model = build("resnet18", 10, 3, 32, pretrained="torchvision", report=messages.append)
     assert torch.equal(model.layer4[1].conv2.weight, imagenet["layer4.1.conv2.weight"])
-    assert "classifier" in model.ddpkit_pretrained_message
+    assert "classifier" in messages[0]
 
 
 def test_pretrained_torchvision_needs_torchvision_arch():

@@ -16,6 +16,7 @@ from ddpkit.optim import (
     global_batch_size,
     lr_factor,
     scaled_lr,
+    total_steps,
     warmup_steps,
 )
 
@@ -51,6 +52,11 @@ def test_global_batch_size():
     assert global_batch_size(256, 4, 1) == 1024
     assert global_batch_size(128, 8, 2) == 2048
     assert global_batch_size(32, 1, 1) == 32
+
+
+def test_total_steps_is_capped_by_max_steps():
+    assert total_steps(10, 44) == 440
+    assert total_steps(10, 44, max_steps=50) == 50 and total_steps(1, 44, max_steps=500) == 44
 
 
 def test_scaled_lr_linear_rule():

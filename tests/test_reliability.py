@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_user_error, cli_env, run_cli
-from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
+from ddpkit.checkpoint import load_checkpoint
 from ddpkit.metrics import read_metrics
 
 # Deterministic runs: no augmentation, no norm/dropout layers, so a resumed run must equal an unbroken one.
@@ -123,39 +123,6 @@ def test_sigkill_random_worker_then_elastic_restart_equals_unbroken(tmp_path, un
         assert rc == 0, f"trial {trial}: {err[-3000:]}"
         assert_same_run(unbroken, final(out))
     assert survived >= TRIALS - 1  # nearly every trial really lost a worker
-
-
-SAVER = r"""
-import sys, torch
-from ddpkit.checkpoint import save_checkpoint
-path, i = sys.argv[1], int(sys.argv[2])
-while True:
-    i += 1
-    save_checkpoint({"model": {"w": torch.full((1_000_000,), float(i))}, "step": i}, path)
-    print(i, flush=True)
-"""
-
-
-@pytest.mark.slow
-def test_sigkill_during_checkpoint_write_never_leaves_an_unreadable_newest(tmp_path):
-    path = tmp_path / "checkpoints" / "last.pt"
-    rng = random.Random(7)
-    seen = 0
-    for _ in range(12):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path), str(seen)], stdout=subprocess.PIPE, env=cli_env()
-        )
-        proc.stdout.readline()  # at least one complete save
-        time.sleep(rng.uniform(0.0, 0.1))
-        proc.kill()
-        proc.wait()
-        state = load_checkpoint(path)  # raises if unreadable
-        assert state["model"]["w"][0].item() == state["step"]
-        assert state["step"] > seen  # the newest complete save, never an older one
-        seen = state["step"]
-    # the temporary files of killed saves are swept when a run next looks for a checkpoint
-    CheckpointDir(tmp_path).newest_complete()
-    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +248,11 @@ def test_nonfinite_loss_stops_naming_step_and_ranks(tmp_path):
     proc = run_cli(
         "train", f"out_dir={tmp_path / 'run'}", "model.arch=mlp", "optim.lr=1e12", "train.epochs=1"
     )
-    line = assert_user_error(proc, "non-finite loss on rank 0", "by step")
-    assert "train.nonfinite=skip" in line
+    # a training failure, not a user input error: exit 1, one line naming the rank and the step, no traceback
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ddpkit: error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "non-finite loss on rank 0 by step " in errors[0] and "train.nonfinite=skip" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on garbage was saved
 
 
@@ -309,20 +279,6 @@ def test_checkpoint_files_refuse_code(tmp_path):
     proc = run_cli("eval", f"checkpoint.path={path}")
     assert_user_error(proc, "unreadable")
     assert not (tmp_path / "pwned").exists()
-
-
-def test_save_checkpoint_is_atomic_on_error(tmp_path):
-    path = tmp_path / "ck.pt"
-    save_checkpoint({"model": {"a": torch.ones(2)}}, path)
-
-    class Unpicklable:
-        def __reduce__(self):
-            raise RuntimeError("cannot pickle")
-
-    with pytest.raises(RuntimeError):
-        save_checkpoint({"model": {}, "bad": Unpicklable()}, path)
-    assert torch.equal(load_checkpoint(path)["model"]["a"], torch.ones(2))
-    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
 RESTART_SCRIPT = r"""
@@ -362,39 +318,3 @@ def test_restarted_workers_never_see_the_dead_workers_rendezvous_keys(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.split("\n")[:-1]) == ["attempt 1 rank 0 sum 3", "attempt 1 rank 1 sum 3"]
     assert time.time() - t0 < 60
-
-
-BEATING_EXIT_SCRIPT = r"""
-import sys, time
-import torch.distributed as dist
-import ddpkit
-from ddpkit.distributed.health import Heartbeat
-
-ctx = ddpkit.init_distributed("gloo", "cpu", 30)
-Heartbeat(ctx.rank, ctx.world_size, interval_s=0.0)  # never closed by the caller, always inside the store
-time.sleep(0.3)
-dist.barrier()
-sys.stdout.write(f"rank {ctx.rank} done\n")  # one write: the ranks share a pipe
-sys.stdout.flush()
-sys.exit(0)
-"""
-
-
-def test_a_heartbeat_left_running_never_aborts_the_exit(tmp_path):
-    # A daemon thread still inside a store call when the interpreter exits is killed mid-C++-call and the
-    # process dies of SIGABRT ("terminate called without an active exception") after a successful run.
-    script = tmp_path / "beating.py"
-    script.write_text(BEATING_EXIT_SCRIPT)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "terminate called" not in proc.stderr
-    assert sorted(proc.stdout.split()) == sorted("rank 0 done rank 1 done".split())

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import REPO, assert_user_error, cli_env, run_cli, run_group
+from ddpkit.config import Config, load_config
+from ddpkit.distributed.env import DistEnv
+from ddpkit.distributed.health import Heartbeat
+from ddpkit.distributed.runtime import DistContext
 from ddpkit.metrics import METRIC_KEYS, read_metrics
+from ddpkit.trainer import Trainer
 
 # Small, deterministic runs: digits, no augmentation, an MLP (no norm/dropout layers), constant lr.
 EXACT = [
@@ -214,3 +224,242 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path):
     eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
     assert not any(k.startswith("_orig_mod.") for k in compiled)
     assert_same_weights(eager, compiled, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Trainer in-process, on real one- and two-process gloo groups (conftest.run_group)
+
+
+def dist_context(rank: int, world_size: int) -> DistContext:
+    """The DistContext of one process of a run_group (gloo on the CPU)."""
+    launcher = "manual" if world_size > 1 else "none"
+    env = DistEnv(
+        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size, launcher=launcher
+    )
+    return DistContext(env, "gloo", torch.device("cpu"))
+
+
+def plain(state: dict[str, torch.Tensor]) -> dict:
+    """A state dict as numpy arrays: what a run_group process can hand back (tensors go through shared memory)."""
+    return {k: v.detach().cpu().numpy() for k, v in state.items()}
+
+
+def tensors(state: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in state.items()}
+
+
+def small_config(out_dir, *overrides: str) -> Config:
+    """The EXACT recipe (digits, an MLP, constant lr) in out_dir, with KEY=VALUE overrides."""
+    return load_config(None, [f"out_dir={out_dir}", *EXACT, *overrides])
+
+
+def _train_steps(rank: int, world_size: int, out_dir: str, batch_size: int, accum: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    cfg = small_config(out_dir, f"train.batch_size={batch_size}", f"train.grad_accum_steps={accum}")
+    with Heartbeat(rank, world_size) as heartbeat:
+        trainer = Trainer(cfg, dist_context(rank, world_size), heartbeat)
+        syncs: list[int] = []
+        if world_size > 1:  # count DDP's gradient all-reduces (one per bucket per synced backward)
+
+            def counting(state, bucket):
+                syncs.append(bucket.index())
+                return allreduce_hook(None, bucket)
+
+            trainer.wrapped.register_comm_hook(None, counting)
+        trainer.state.begin_epoch(1)
+        micro_batches = iter(trainer.train_loader)
+        for _ in range(3):
+            trainer.train_step(itertools.islice(micro_batches, accum))
+        micro_batches.close()
+        return {
+            "weights": plain(trainer.strategy.model_state(trainer.wrapped)),
+            "step": trainer.state.step,
+            "consumed": trainer.state.consumed,
+            "syncs": syncs,
+            "buckets": len(set(syncs)),
+        }
+
+
+@pytest.mark.slow
+def test_train_step_with_accumulation_on_two_ranks_equals_one_rank_with_the_global_batch(tmp_path):
+    (one,) = run_group(_train_steps, 1, str(tmp_path / "one"), 32, 1)
+    two = run_group(_train_steps, 2, str(tmp_path / "two"), 8, 2)
+    assert one["step"] == two[0]["step"] == 3 and one["consumed"] == two[1]["consumed"] == 3 * 32
+    assert_same_weights(tensors(one["weights"]), tensors(two[0]["weights"]))
+    assert_same_weights(tensors(two[0]["weights"]), tensors(two[1]["weights"]), atol=0)
+    # gradients are all-reduced once per optimizer step (no_sync on the first micro-batch), not per micro-batch
+    assert len(two[0]["syncs"]) == 3 * two[0]["buckets"]
+
+
+def _resume_mid_epoch(rank: int, world_size: int, out_dir: str) -> dict:
+    cfg = small_config(out_dir, "data.augment=true", "train.batch_size=16")  # augmentation: the RNG matters
+    ctx = dist_context(rank, world_size)
+    with Heartbeat(rank, world_size) as heartbeat:
+        first = Trainer(cfg, ctx, heartbeat)
+        first.state.begin_epoch(1)
+        micro_batches = iter(first.train_loader)
+        for _ in range(4):
+            first.train_step([next(micro_batches)])
+        first.checkpoint()  # mid-epoch: last.pt only
+        saved = (first.state.epoch, first.state.step, first.state.consumed)
+        for _ in range(3):
+            first.train_step([next(micro_batches)])
+        micro_batches.close()
+
+        again = Trainer(cfg, ctx, heartbeat)  # the same command run again
+        again.resume()
+        resumed = (again.state.epoch, again.state.step, again.state.consumed)
+        again.state.begin_epoch(1)
+        micro_batches = iter(again.train_loader)
+        for _ in range(3):
+            again.train_step([next(micro_batches)])
+        micro_batches.close()
+        return {
+            "saved": saved,
+            "resumed": resumed,
+            "first": plain(first.strategy.model_state(first.wrapped)),
+            "again": plain(again.strategy.model_state(again.wrapped)),
+            "means": (first.state.epoch_means(), again.state.epoch_means()),
+            "files": sorted(p.name for p in (Path(out_dir) / "checkpoints").iterdir()),
+        }
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_checkpoint_resumes_to_the_same_weights_on_two_ranks(tmp_path):
+    rank0, rank1 = run_group(_resume_mid_epoch, 2, str(tmp_path / "run"))
+    assert rank0["saved"] == rank0["resumed"] == rank1["resumed"] == (0, 4, 4 * 32)
+    assert rank0["files"] == ["last.pt"]  # inside an epoch: no epoch file, no best.pt
+    assert_same_weights(tensors(rank0["first"]), tensors(rank0["again"]), atol=0)
+    (loss, acc, n), (loss2, acc2, n2) = rank0["means"]
+    assert n == n2 == 7 * 32 and acc == acc2 and loss == pytest.approx(loss2, rel=1e-12)
+
+
+def _max_steps_runs(rank: int, world_size: int, root: str) -> dict:
+    ctx = dist_context(rank, world_size)
+    common = ("train.epochs=2", "train.batch_size=16")
+    out = {}
+    with Heartbeat(rank, world_size) as heartbeat:
+        Trainer(small_config(f"{root}/broken", *common, "train.max_steps=5"), ctx, heartbeat).fit()
+        stopped = torch.load(f"{root}/broken/checkpoints/last.pt", weights_only=True)
+        out["stopped"] = {k: stopped[k] for k in ("epoch", "step", "consumed", "metrics_row")}
+        out["rows_before"] = read_metrics(f"{root}/broken")
+        Trainer(small_config(f"{root}/broken", *common, "train.max_steps=5"), ctx, heartbeat).fit()  # again
+        out["rows_again"] = read_metrics(f"{root}/broken")
+        Trainer(small_config(f"{root}/broken", *common, "train.max_steps=50"), ctx, heartbeat).fit()
+        Trainer(small_config(f"{root}/unbroken", *common, "train.max_steps=50"), ctx, heartbeat).fit()
+    return out
+
+
+@pytest.mark.slow
+def test_max_steps_inside_an_epoch_checkpoints_mid_epoch_and_a_larger_max_steps_continues_it(tmp_path):
+    root = tmp_path / "runs"
+    rank0, _ = run_group(_max_steps_runs, 2, str(root))
+    stopped = rank0["stopped"]  # 5 of epoch 1's 44 optimizer steps: epoch 1 is not finished
+    assert (stopped["epoch"], stopped["step"], stopped["consumed"]) == (0, 5, 5 * 32)
+    assert stopped["metrics_row"]["epoch"] == 1 and stopped["metrics_row"]["step"] == 5
+    # a finished run (as today): evaluated, one metrics line; the same command again changes nothing
+    assert [r["epoch"] for r in rank0["rows_before"]] == [1] and rank0["rows_before"][0][
+        "val_acc1"
+    ] is not None
+    assert rank0["rows_again"] == rank0["rows_before"]
+    log = (root / "broken" / "log.txt").read_text()
+    assert "nothing to train" in log
+    assert "(epoch 0, 160 samples into epoch 1, step 5)" in log  # the larger max_steps continues epoch 1
+    broken, unbroken = read_metrics(root / "broken"), read_metrics(root / "unbroken")
+    assert [r["epoch"] for r in broken] == [r["epoch"] for r in unbroken] == [1, 2]  # epoch 1 once, whole
+    for a, b in zip(broken, unbroken, strict=True):
+        assert a["step"] == b["step"]
+        for key in ("train_loss", "train_acc1", "val_loss", "val_acc1", "lr"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+    assert_same_weights(weights(root / "broken"), weights(root / "unbroken"), atol=1e-6)
+    # the resumed part's throughput counts only the samples trained after the resume (39 of 44 steps)
+    first = broken[0]
+    assert first["train_images_per_s"] * first["epoch_time_s"] == pytest.approx(39 * 32, rel=0.02)
+
+
+def test_an_epoch_with_less_than_one_step_left_after_a_resume_ends_instead_of_repeating(tmp_path):
+    # A checkpoint 1400 samples into the epoch, resumed where one optimizer step takes 64: the 38 left make no
+    # step, so the epoch is over (before, the loop trained nothing, never finished the epoch, and fit() looped).
+    trainer = Trainer(small_config(tmp_path / "run", "train.batch_size=64"), dist_context(0, 1))
+    trainer.state.load_state_dict({"epoch": 0, "step": 40, "consumed": 1400})
+    loss, acc, samples = trainer.train_epoch(1)
+    assert (trainer.state.epoch, trainer.state.step, trainer.state.consumed, samples) == (1, 40, 0, 0)
+    trainer.log.close()
+
+
+def _one_step_nan_first(rank: int, world_size: int, out_dir: str) -> dict:
+    cfg = small_config(out_dir, "train.grad_accum_steps=2", "train.nonfinite=skip", "train.batch_size=4")
+    trainer = Trainer(cfg, dist_context(rank, world_size))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    x, y = next(iter(trainer.train_loader))
+    trainer.train_step([(torch.full_like(x, math.nan), y), (x, y)])  # only the first micro-batch is bad
+    skipped = all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())
+    trainer.train_step([(x, y), (x, y)])
+    moved = not all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())
+    trainer.log.close()
+    trainer.heartbeat.close()
+    return {"skipped": skipped, "moved": moved, "step": trainer.state.step}
+
+
+@pytest.mark.slow
+def test_skip_drops_a_step_whose_earlier_micro_batch_was_nonfinite(tmp_path):
+    (result,) = run_group(_one_step_nan_first, 1, str(tmp_path / "run"))
+    assert result == {"skipped": True, "moved": True, "step": 2}
+    assert "non-finite loss at step 1; step skipped" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def _pretrained_lines(rank: int, world_size: int, out_dir: str, weights_file: str) -> str:
+    console = io.StringIO()
+    sys.stdout = console  # rank 0's RunLog prints here
+    trainer = Trainer(
+        small_config(out_dir, f"model.pretrained={weights_file}"), dist_context(rank, world_size)
+    )
+    trainer.log.close()
+    trainer.heartbeat.close()
+    return console.getvalue()
+
+
+@pytest.mark.slow
+def test_rank_0_prints_and_logs_what_the_pretrained_weights_filled_in(tmp_path):
+    from ddpkit.models import build_mlp
+
+    weights_file = tmp_path / "w.pt"
+    torch.save(build_mlp(10, 1, 8).state_dict(), weights_file)
+    rank0, rank1 = run_group(_pretrained_lines, 2, str(tmp_path / "run"), str(weights_file))
+    line = f"loaded 6/6 tensors from {weights_file}"
+    assert rank0.count(line) == 1 and rank1 == ""
+    assert (tmp_path / "run" / "log.txt").read_text().count(line) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/run-dir.md describes every file, checkpoint key and metrics field a run writes
+
+
+def _doc_table(section: str) -> set[str]:
+    text = (REPO / "docs" / "run-dir.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([^`]+)` \|", body, flags=re.MULTILINE))
+
+
+def _short_run(rank: int, world_size: int, out_dir: str) -> None:
+    cfg = small_config(out_dir, "train.epochs=2", "train.max_steps=50", "checkpoint.every_steps=20")
+    Trainer(cfg, dist_context(rank, world_size)).fit()
+
+
+@pytest.mark.slow
+def test_run_dir_doc_names_every_file_checkpoint_key_and_metrics_field_written(tmp_path):
+    run = tmp_path / "run"
+    run_group(_short_run, 1, str(run))  # epoch 1 whole, epoch 2 stopped inside by train.max_steps
+    files = {p.name + "/" if p.is_dir() else p.name for p in run.iterdir()} - {"checkpoints/"}
+    files |= {"checkpoints/" + re.sub(r"\d{4}", "NNNN", p.name) for p in (run / "checkpoints").iterdir()}
+    assert files == _doc_table("Files")
+    keys = set()
+    for name in ("last.pt", "best.pt", "epoch_0001.pt"):
+        state = torch.load(run / "checkpoints" / name, weights_only=True)
+        keys |= set(state)
+        assert state["metrics_row"] is not None
+    assert keys == _doc_table("Checkpoint format")
+    fields = {k for row in read_metrics(run) for k in row}
+    assert fields == _doc_table("metrics.jsonl")
+    assert set(METRIC_KEYS) <= fields

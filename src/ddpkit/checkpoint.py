@@ -54,9 +54,8 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(
-            fd, 0o666 & ~_umask()
-        )  # mkstemp makes 0600; the file is the user's, as open() would make it
+        # mkstemp makes 0600; the file is the user's, as open() would make it
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -160,9 +159,11 @@ class CheckpointDir:
         for old in self.epoch_files()[self.keep :]:
             old.unlink(missing_ok=True)
 
-    def save_step(self, state: dict[str, Any]) -> None:
-        """A mid-epoch checkpoint: only last.pt moves."""
-        save_checkpoint(state, self.last)
+    def save_step(self, state: dict[str, Any], is_best: bool = False) -> None:
+        """A mid-epoch checkpoint: last.pt (and best.pt, when a run that ends mid-epoch scored its best)."""
+        path = save_checkpoint(state, self.last)
+        if is_best:
+            _place(path, self.best)
 
     def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
         """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over."""

@@ -1,17 +1,17 @@
 """Command line: parse -> config -> start workers, or join the launcher that started us -> run the command.
 
-User mistakes (UserError) become one `ddpkit: error: WHAT (HOW TO FIX)` line and exit 2, here and only here.
+User mistakes (UserError) become one `ddpkit: error: WHAT (HOW TO FIX)` line and exit 2, failures (Failure) their
+own line and exit code, here and only here.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from ddpkit.commands import COMMANDS, Command
-from ddpkit.errors import Preempted, UserError, WorkerFailure
+from ddpkit.errors import Failure, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,21 +153,17 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: exit 0, 2 for user errors, non-zero for failed workers."""
+    """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted) else."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = run(argv)
     except UserError as e:
         print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
         code = e.exit_code
-    except WorkerFailure as e:
-        if e.exit_code != 2:  # workers that failed on a user error already said why
-            print(f"ddpkit: error: {e}", file=sys.stderr, flush=True)
+    except Failure as e:
+        if e.report:  # one line for the job: the raiser decided whether this process says it
+            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
         code = e.exit_code
-    except Preempted as e:
-        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
-            print(f"ddpkit: {e}", file=sys.stderr, flush=True)
-        code = Preempted.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
         code = 130

@@ -1,4 +1,9 @@
-"""The one error type for user mistakes; the CLI turns it into `ddpkit: error: ...` and exit 2."""
+"""The exceptions that end a ddpkit command; the CLI turns each into one line on stderr and its exit code.
+
+UserError: a mistake the user can fix (exit 2). Failure and its kinds: a run that could not go on, or stopped
+on request (WorkerFailure and TrainingFailure exit 1, Preempted exits 3). Each says whether this process prints
+its line (`report`), so a job of N ranks prints one line, not N.
+"""
 
 from __future__ import annotations
 
@@ -20,22 +25,39 @@ class UserError(Exception):
         return f"{self.what} ({self.hint})" if self.hint else self.what
 
 
-class WorkerFailure(Exception):
-    """One or more workers of a launched job failed; names the ranks."""
+class Failure(Exception):
+    """A run that could not go on for a reason other than the user's input; the CLI prints `prefix + message`
+    when `report` is true and exits with `exit_code`."""
 
     exit_code = 1
+    prefix = "ddpkit: error: "
+
+    def __init__(self, message: str, *, exit_code: int | None = None, report: bool = True):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+        self.report = report
 
 
-class Preempted(Exception):
-    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing.
+class WorkerFailure(Failure):
+    """One or more workers of a launched job failed, or this rank gave up on a collective; names the ranks."""
 
-    `signum`: the signal the launcher itself received, when that is what stopped the workers.
+
+class TrainingFailure(Failure):
+    """Training cannot go on (a non-finite loss under train.nonfinite=stop); names the rank(s) and the step."""
+
+
+class Preempted(Failure):
+    """The run stopped at a step boundary on SIGTERM/SIGUSR1 after checkpointing; rerunning continues it.
+
+    `signum`: the signal that stopped it, when known.
     """
 
     exit_code = 3
+    prefix = "ddpkit: "
 
-    def __init__(self, message: str, signum: int | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, *, signum: int | None = None, report: bool = True):
+        super().__init__(message, report=report)
         self.signum = signum
 
 

@@ -1,4 +1,7 @@
-"""Rank 0's output: log.txt, metrics.jsonl, TensorBoard scalars, a progress bar or tutorial-style lines."""
+"""Rank 0's output: log.txt, metrics.jsonl, TensorBoard scalars, a progress bar or tutorial-style lines.
+
+"step" means an optimizer step throughout (one update after train.grad_accum_steps micro-batches).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ from typing import Any, TextIO
 
 import torch
 
-METRIC_KEYS = (
+METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what each holds)
     "epoch",
+    "step",
     "world_size",
     "global_batch_size",
     "lr",
@@ -87,6 +91,7 @@ class RunLog:
         self._log.flush()
 
     def epoch_start(self, epoch: int, epochs: int, steps: int, initial: int = 0) -> None:
+        """A progress bar over the epoch's `steps` optimizer steps (on a terminal), `initial` of them done."""
         if self.active and self.tty:
             from tqdm import tqdm
 
@@ -102,7 +107,8 @@ class RunLog:
     def step(
         self, step_in_epoch: int, steps: int, epoch: int, epochs: int, sums: RunningSums | None, every: int
     ) -> None:
-        """Advance the bar; without a terminal, every `every` steps a line shaped like the tutorials'."""
+        """After optimizer step `step_in_epoch` of `steps`: advance the bar; without a terminal, a line shaped
+        like the tutorials' every `every` steps and at the epoch's last."""
         if not self.active:
             return
         if self._bar is not None:

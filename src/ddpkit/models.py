@@ -1,4 +1,5 @@
-"""Models by name: the built-in `cnn` and `mlp`, torchvision classifiers, `timm:NAME`; pretrained weights; device prep.
+"""Models by name, one registry entry per family (built-in `cnn`/`mlp`, torchvision classifiers, `timm:NAME`);
+pretrained weights; device preparation.
 
 torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
 """
@@ -9,7 +10,8 @@ import difflib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +23,6 @@ from ddpkit.errors import UserError
 
 log = logging.getLogger("ddpkit.models")
 
-BUILTIN = ("cnn", "mlp")
 TIMM_PREFIX = "timm:"
 STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel wrappers, torch.compile
 
@@ -74,7 +75,7 @@ def build_mlp(num_classes: int, in_channels: int, image_size: int, hidden=(256, 
     )
 
 
-# ----------------------------------------------------------------------------------------------- names
+# ----------------------------------------------------------------------------------------------- families
 
 
 def torchvision_names() -> list[str]:
@@ -82,17 +83,6 @@ def torchvision_names() -> list[str]:
     import torchvision
 
     return list(torchvision.models.list_models(module=torchvision.models))
-
-
-def _unknown_arch(arch: str) -> UserError:
-    names = list(BUILTIN) + torchvision_names()
-    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
-    hint = (
-        f"did you mean '{close[0]}'?"
-        if close
-        else "use cnn, mlp, a torchvision classification model such as resnet18"
-    )
-    return UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
 
 
 def _import_timm() -> Any:
@@ -106,7 +96,8 @@ def _import_timm() -> Any:
     return timm
 
 
-def _check_timm_name(timm: Any, name: str) -> None:
+def _check_timm(arch: str) -> None:
+    timm, name = _import_timm(), arch[len(TIMM_PREFIX) :]
     if not name:
         raise UserError("model.arch 'timm:' names no model", "write e.g. model.arch=timm:resnet18")
     if timm.is_model(name):
@@ -114,38 +105,6 @@ def _check_timm_name(timm: Any, name: str) -> None:
     close = difflib.get_close_matches(name, list(timm.list_models()), n=1, cutoff=0.5)
     hint = f"did you mean 'timm:{close[0]}'?" if close else "see timm.list_models() for the names"
     raise UserError(f"unknown timm model '{name}' in model.arch", hint)
-
-
-def _arch_kind(arch: str) -> str:
-    """'builtin', 'timm' or 'torchvision'; raises UserError for an unknown name."""
-    if arch in BUILTIN:
-        return "builtin"
-    if arch.startswith(TIMM_PREFIX):
-        timm = _import_timm()
-        _check_timm_name(timm, arch[len(TIMM_PREFIX) :])
-        return "timm"
-    if arch in torchvision_names():
-        return "torchvision"
-    raise _unknown_arch(arch)
-
-
-def check_arch(cfg: Config) -> None:
-    """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
-    kind = _arch_kind(cfg.model.arch)
-    pretrained = cfg.model.pretrained
-    if pretrained is None or pretrained == "":
-        return
-    if pretrained == "torchvision":
-        if kind != "torchvision":
-            raise UserError(
-                f"model.pretrained=torchvision needs a torchvision model, but model.arch is '{cfg.model.arch}'",
-                "pass a weights file path as model.pretrained, or pick a torchvision arch such as resnet18",
-            )
-        return
-    _check_weights_path(pretrained)
-
-
-# ----------------------------------------------------------------------------------------------- building
 
 
 def _repeat_gray_to_rgb(module: nn.Module, args: tuple) -> tuple | None:
@@ -156,7 +115,7 @@ def _repeat_gray_to_rgb(module: nn.Module, args: tuple) -> tuple | None:
     return None
 
 
-def _build_torchvision(arch: str, num_classes: int, in_channels: int) -> nn.Module:
+def _build_torchvision(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     import torchvision
 
     if in_channels not in (1, 3):
@@ -171,36 +130,100 @@ def _build_torchvision(arch: str, num_classes: int, in_channels: int) -> nn.Modu
     return model
 
 
-def _build_timm(name: str, num_classes: int, in_channels: int) -> nn.Module:
-    timm = _import_timm()
-    _check_timm_name(timm, name)
-    return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
+def _build_timm(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    name = arch[len(TIMM_PREFIX) :]  # checked by _check_timm first
+    return _import_timm().create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
 
 
-def build_model(cfg: Config, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
-    """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set."""
-    arch = cfg.model.arch
-    kind = _arch_kind(arch)
-    if arch == "cnn":
-        model: nn.Module = SmallCNN(num_classes, in_channels, image_size)
-    elif arch == "mlp":
-        model = build_mlp(num_classes, in_channels, image_size)
-    elif kind == "timm":
-        model = _build_timm(arch[len(TIMM_PREFIX) :], num_classes, in_channels)
-    else:
-        model = _build_torchvision(arch, num_classes, in_channels)
+@dataclass(frozen=True)
+class ModelFamily:
+    """One kind of model.arch: which names it owns, a cheap check of a name, and the builder."""
 
+    name: str
+    owns: Callable[[str], bool]
+    build: Callable[[str, int, int, int], nn.Module]  # (arch, num_classes, in_channels, image_size)
+    check: Callable[[str], None] = lambda arch: None  # UserError for a name it owns but cannot build
+    names: Callable[[], list[str]] = list  # names to suggest for a mistyped arch
+    torchvision_weights: bool = False  # model.pretrained=torchvision applies
+
+
+BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"cnn": SmallCNN, "mlp": build_mlp}
+
+# Adding a model family is one entry; they are asked in this order (the cheap ones first).
+MODEL_FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        "builtin",
+        owns=lambda arch: arch in BUILTIN,
+        build=lambda arch, n, c, size: BUILTIN[arch](n, c, size),
+        names=lambda: list(BUILTIN),
+    ),
+    ModelFamily("timm", owns=lambda arch: arch.startswith(TIMM_PREFIX), build=_build_timm, check=_check_timm),
+    ModelFamily(
+        "torchvision",
+        owns=lambda arch: arch in torchvision_names(),
+        build=_build_torchvision,
+        names=torchvision_names,
+        torchvision_weights=True,
+    ),
+)
+
+
+def model_family(arch: str) -> ModelFamily:
+    """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
+    for family in MODEL_FAMILIES:
+        if family.owns(arch):
+            family.check(arch)
+            return family
+    names = [name for family in MODEL_FAMILIES for name in family.names()]
+    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
+    hint = (
+        f"did you mean '{close[0]}'?"
+        if close
+        else "use cnn, mlp, a torchvision classification model such as resnet18"
+    )
+    raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
+
+
+def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
     pretrained = cfg.model.pretrained
-    if pretrained:
-        if pretrained == "torchvision":
-            if kind != "torchvision":
-                check_arch(cfg)  # raises the explanatory UserError
-            state, source = _torchvision_weights(arch), f"torchvision's default {arch} weights"
-        else:
-            state, source = read_weights(pretrained), pretrained
-        message = load_matching(model, state, source)
-        log.info(message)
-        model.ddpkit_pretrained_message = message  # for the trainer to print on rank 0
+    if pretrained == "torchvision" and not family.torchvision_weights:
+        raise UserError(
+            f"model.pretrained=torchvision needs a torchvision model, but model.arch is '{cfg.model.arch}'",
+            "pass a weights file path as model.pretrained, or pick a torchvision arch such as resnet18",
+        )
+    if pretrained and pretrained != "torchvision":
+        _check_weights_path(pretrained)
+
+
+def check_arch(cfg: Config) -> None:
+    """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
+    _check_pretrained(cfg, model_family(cfg.model.arch))
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def build_model(
+    cfg: Config,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    report: Callable[[str], None] | None = None,
+) -> nn.Module:
+    """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set.
+
+    `report` receives the line saying what the pretrained weights filled in (default: the `ddpkit.models` logger).
+    """
+    arch, pretrained = cfg.model.arch, cfg.model.pretrained
+    family = model_family(arch)
+    _check_pretrained(cfg, family)
+    model = family.build(arch, num_classes, in_channels, image_size)
+    if pretrained == "torchvision":
+        (report or log.info)(
+            load_matching(model, _torchvision_weights(arch), f"torchvision's default {arch} weights")
+        )
+    elif pretrained:
+        (report or log.info)(load_matching(model, read_weights(pretrained), pretrained))
     return model
 
 

@@ -48,6 +48,12 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opt
     return cls(params, **kwargs)
 
 
+def total_steps(epochs: int, steps_per_epoch: int, max_steps: int | None = None) -> int:
+    """Optimizer steps of the whole run: epochs x optimizer steps per epoch, capped by train.max_steps."""
+    total = int(epochs) * int(steps_per_epoch)
+    return total if max_steps is None else min(total, int(max_steps))
+
+
 def warmup_steps(cfg: Config, steps_per_epoch: int) -> int:
     """round(warmup_epochs x steps_per_epoch), at least 1 when any warmup is asked for."""
     w = cfg.optim.warmup_epochs

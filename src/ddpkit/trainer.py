@@ -1,11 +1,19 @@
-"""The Trainer behind `ddpkit train` and `ddpkit eval`: reads top to bottom like the recipe."""
+"""The Trainer behind `ddpkit train`: build() asks the builders for the parts, fit() reads like the recipe.
+
+Words, used the same way in the code, the logs and the metrics: a micro-batch is what one process feeds
+forward at once (train.batch_size samples); an optimizer step is one update after train.grad_accum_steps
+micro-batches; the global batch is train.batch_size x world_size x train.grad_accum_steps samples, the samples
+of one optimizer step over all ranks. "step" alone always means an optimizer step.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import math
-import signal
+import dataclasses
+import functools
+import itertools
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,114 +22,109 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit import data, models, optim
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
-    all_gather_object,
     all_reduce_sum,
     barrier,
     broadcast_object,
-    derive_seed,
     is_dist,
     rank_zero_first,
-    seed_everything,
     seed_model_init,
 )
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.strategy import build_strategy
-from ddpkit.errors import Preempted, UserError, first_line
-from ddpkit.metrics import RunLog, RunningSums, read_metrics
+from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.distributed.strategy import Strategy, build_strategy
+from ddpkit.errors import UserError, first_line
+from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.train_state import TrainState
 
-# How often (optimizer steps) the ranks agree on whether a stop signal arrived: one scalar all-reduce.
-STOP_CHECK_EVERY = 10
+AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_samples")
 
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG streams, as types torch.load(weights_only=True) accepts."""
-    import random
-
-    import numpy as np
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    st = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
+# ------------------------------------------------------------------------------------------------ builders
 
 
-def _set_rng_state(st: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    name, keys, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
+def make_autocast(device: torch.device, amp: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the autocast context for train.amp (none, bf16, fp16) on `device`."""
+    dtype = AMP_DTYPES[amp]
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
-class _StopFlag:
-    """SIGTERM / SIGUSR1 set a flag; the loop stops at the next step boundary (all ranks agree)."""
+def make_datasets(cfg: Config) -> tuple[Any, Any, data.DataSpec]:
+    """(train set, val set, spec); with data.download rank 0 fetches first while the others wait."""
+    with rank_zero_first() if cfg.data.download else contextlib.nullcontext():
+        return data.build_datasets(cfg)
 
-    def __init__(self):
-        self.signum = 0
-        self._old: dict[int, Any] = {}
 
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
+def make_model(
+    cfg: Config, ctx: DistContext, spec: data.DataSpec, report=None, for_eval: bool = False
+) -> nn.Module:
+    """The configured model with the same initial weights on every rank, on ctx.device.
 
-    def _handle(self, signum, frame):
-        self.signum = signum
+    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
+    """
+    if for_eval and cfg.model.pretrained:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
+    seed_model_init(cfg.seed)
+    num_classes = cfg.model.num_classes or spec.num_classes
+    model = models.build_model(cfg, num_classes, spec.in_channels, spec.image_size, report=report)
+    return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
 
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+
+def load_weights(
+    strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
+) -> None:
+    """A checkpoint's model (and optimizer) state into `wrapped`; one UserError when it does not fit."""
+    try:
+        strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise UserError(
+            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e)}",
+            "use the model.* settings it was trained with, or start afresh with checkpoint.resume=none",
+        ) from None
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device, channels_last: bool = False):
+    """A micro-batch on `device` (channels_last for 4-d images when asked)."""
+    non_blocking = device.type == "cuda"
+    x = x.to(device, non_blocking=non_blocking)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y.to(device, non_blocking=non_blocking)
+
+
+# ------------------------------------------------------------------------------------------------- trainer
 
 
 class Trainer:
-    """Fit a classifier on the configured data with the configured parallel strategy."""
+    """Fit a classifier on the configured data with the configured parallel strategy.
 
-    def __init__(self, cfg: Config, ctx: DistContext):
-        self.cfg = cfg
-        self.ctx = ctx
-        self.device = ctx.device
+    `heartbeat`: the caller's (it stays open); without one the Trainer makes its own and closes it after fit().
+    """
+
+    def __init__(self, cfg: Config, ctx: DistContext, heartbeat: Heartbeat | None = None):
+        self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)
         self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
-        self.strategy = build_strategy(cfg.dist.strategy, ctx)
-        self.amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.amp]
-        self.epoch = 0  # finished epochs
-        self.step = 0  # optimizer steps taken
-        self.consumed = 0  # samples of the current epoch already trained on (mid-epoch checkpoints)
-        self.best_acc = -1.0
-        self._sums: RunningSums | None = None  # this epoch's running train sums
-        self._resume_sums: list[float] | None = None  # all ranks' sums at a mid-epoch checkpoint
-        self._last_save = time.monotonic()
-        self.heartbeat = Heartbeat.current(ctx)
-        self._build()
+        self._own_heartbeat = heartbeat is None
+        self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
+        self.build()
+        self.state = TrainState(self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device)
+        ck = cfg.checkpoint
+        self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
+        self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
-    # ---- set-up -------------------------------------------------------------------------------
-    def _build(self) -> None:
-        from ddpkit import data, models, optim
-
+    def build(self) -> None:
+        """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
         cfg, ctx = self.cfg, self.ctx
-        with rank_zero_first() if cfg.data.download else contextlib.nullcontext():
-            self.train_set, self.val_set, self.spec = data.build_datasets(cfg)
-        num_classes = cfg.model.num_classes or self.spec.num_classes
-        seed_model_init(cfg.seed)  # identical initial weights on every rank
-        model = models.build_model(cfg, num_classes, self.spec.in_channels, self.spec.image_size)
-        self.model = models.prepare_model(model, cfg, self.device, distributed=ctx.world_size > 1)
+        self.train_set, self.val_set, self.spec = make_datasets(cfg)
+        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        self.strategy = build_strategy(cfg.dist.strategy, ctx)
         self.wrapped = self.strategy.wrap(self.model)
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
@@ -130,301 +133,103 @@ class Trainer:
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
         )
+        self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
-        self.steps_per_epoch = self.train_loader.sampler.micro_batches_per_epoch // accum
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
-        self.total_steps = cfg.train.epochs * self.steps_per_epoch
-        if cfg.train.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.train.max_steps)
+        self.total_steps = optim.total_steps(cfg.train.epochs, self.steps_per_epoch, cfg.train.max_steps)
         self.optimizer = self.strategy.build_optimizer(
             self.model, lambda m: optim.build_optimizer(m, cfg, self.lr)
         )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.autocast = make_autocast(self.device, cfg.train.amp)
 
-    def _autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
-
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb = self.device.type == "cuda"
-        x = x.to(self.device, non_blocking=nb)
-        if self.cfg.model.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y.to(self.device, non_blocking=nb)
-
-    # ---- checkpoints --------------------------------------------------------------------------
-    def state(self) -> dict[str, Any] | None:
-        """The full training state on rank 0 (None elsewhere). Collective: every rank must call it."""
-        model_sd = self.strategy.model_state(self.wrapped)
-        optim_sd = self.strategy.optimizer_state(self.wrapped, self.optimizer)
-        rng = all_gather_object(_rng_state())
-        partial = all_reduce_sum(self._sums.t).tolist() if self.consumed and self._sums is not None else None
-        if not self.ctx.is_main:
-            return None
-        return {
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "consumed": self.consumed,
-            "partial_sums": partial,
-            "best_acc1": self.best_acc,
-            "world_size": self.ctx.world_size,
-            "rng": rng,
-            "config": config_mod.to_dict(self.cfg),
-        }
-
-    def save(self, epoch_end: bool, is_best: bool = False, row: dict[str, Any] | None = None) -> None:
-        self._last_save = time.monotonic()
-        state = self.state()
-        if state is not None:
-            state["metrics_row"] = row
-            if epoch_end:
-                self.ckpt.save_epoch(state, self.epoch, is_best)
-            else:
-                self.ckpt.save_step(state)
-        barrier()  # nobody reads a checkpoint before it is complete
-
-    def resume(self) -> None:
-        """Rank 0 decides which checkpoint (if any) to continue from and tells the others; all load it."""
-        choice = self.cfg.checkpoint.resume
-        path = None
-        if self.ctx.is_main and choice != "none":
-            if choice == "auto":
-                found = self.ckpt.newest_complete(warn=self.log.info)
-                path = str(found[0]) if found else None
-            else:
-                load_checkpoint(choice, require=TRAIN_KEYS)  # fail here, once, with a clear message
-                path = choice
-        path = broadcast_object(path)
-        if path is None:
-            return
-        state = load_checkpoint(path, map_location="cpu", require=TRAIN_KEYS)
-        try:
-            self.strategy.load(self.wrapped, self.optimizer, state["model"], state.get("optimizer"))
-        except (RuntimeError, KeyError, ValueError) as e:
-            first = first_line(e)
-            raise UserError(
-                f"checkpoint '{path}' does not fit this model: {first}",
-                "resume with the config it was trained with, or checkpoint.resume=none",
-            ) from None
-        if "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        self.consumed = int(state.get("consumed", 0))
-        self.best_acc = float(state.get("best_acc1", -1.0))
-        if self.ctx.is_main:
-            self.log.reconcile_metrics(self.epoch, state.get("metrics_row"))
-        rng = state.get("rng")
-        if self.consumed and rng and len(rng) == self.ctx.world_size:
-            _set_rng_state(rng[self.ctx.rank])
-        if self.consumed and state.get("partial_sums") and self.ctx.is_main:
-            self._resume_sums = list(state["partial_sums"])
-        where = f"epoch {self.epoch}" + (
-            f", {self.consumed} samples into epoch {self.epoch + 1}" if self.consumed else ""
-        )
-        self.log.info(f"resumed from {path} ({where}, step {self.step})")
-
-    # ---- the loop -----------------------------------------------------------------------------
+    # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train for train.epochs (or train.max_steps), evaluating and checkpointing; returns the last metrics."""
-        with explain_comm_failures(self.ctx, self.heartbeat, lambda: self.step):
-            try:
-                return self._fit()
-            finally:
-                self.log.close()
+        """Train for train.epochs (or train.max_steps): resume, then per epoch train, evaluate, checkpoint, log.
 
-    def _fit(self) -> dict[str, Any]:
-        cfg, ctx = self.cfg, self.ctx
-        self._write_config()
-        self.resume()
-        self.log.info(
-            f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
-            f"{self.steps_per_epoch} steps/epoch"
-        )
-        last: dict[str, Any] = {}
-        with _StopFlag() as stop:
-            while self.epoch < cfg.train.epochs and self.step < self.total_steps:
-                epoch = self.epoch + 1
-                t0 = time.perf_counter()
-                train_loss, train_acc, seen = self.train_epoch(epoch, stop)
-                if stop.signum and self.consumed:  # stopped mid-epoch: checkpoint this step, exit
-                    self.save(epoch_end=False)
-                    raise Preempted(
-                        f"stopped by {signal.Signals(stop.signum).name} at step {self.step}; checkpoint written, rerun the same command to continue"
-                    )
-                elapsed = time.perf_counter() - t0
-                self.epoch = epoch
-                do_eval = (
-                    epoch % cfg.eval.every == 0 or epoch == cfg.train.epochs or self.step >= self.total_steps
-                )
-                val = (
-                    self.evaluate()
-                    if do_eval
-                    else {"val_loss": None, "val_acc1": None, "val_acc5": None, "val_samples": None}
-                )
-                is_best = val["val_acc1"] is not None and val["val_acc1"] > self.best_acc
-                if is_best:
-                    self.best_acc = val["val_acc1"]
-                last = {
-                    "epoch": epoch,
-                    "step": self.step,
-                    "world_size": ctx.world_size,
-                    "global_batch_size": self.global_batch,
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "train_loss": train_loss,
-                    "train_acc1": train_acc,
-                    **val,
-                    "epoch_time_s": round(elapsed, 4),
-                    "train_images_per_s": round(seen / elapsed, 2) if elapsed > 0 else None,
-                }
-                self.save(epoch_end=True, is_best=is_best, row=last)  # checkpoint first: it carries the row
+        Returns the last metrics line.
+        """
+        state = self.state
+        with self._closing(), explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step), self.stop:
+            self._write_config()
+            self.resume()
+            self.log.info(self._banner())
+            last: dict[str, Any] = {}
+            while self._more_to_train():
+                epoch, t0 = state.epoch + 1, time.perf_counter()
+                train = self.train_epoch(epoch)  # ends early on an agreed stop or at train.max_steps
+                if self.stop.stopped and state.consumed and self._more_to_train():
+                    self.checkpoint()  # mid-epoch: the rerun continues from the next sample
+                    where = f"at step {state.step}; checkpoint written, rerun the same command to continue"
+                    raise self.stop.preempted(where, self.ctx.is_main)
+                val = self.evaluate() if self._eval_due(epoch) else dict.fromkeys(VAL_KEYS)
+                last = self._metrics_row(epoch, train, val, time.perf_counter() - t0)
+                self.checkpoint(last)  # before the metrics line: the checkpoint carries it
                 self.log.metrics(last)
-                self.log.info(
-                    f"epoch {epoch}/{cfg.train.epochs} | train loss {train_loss:.4f} acc {100 * train_acc:.2f}% | "
-                    + (
-                        f"val loss {val['val_loss']:.4f} acc1 {100 * val['val_acc1']:.2f}% | "
-                        if do_eval
-                        else ""
-                    )
-                    + f"{last['train_images_per_s']} img/s | {elapsed:.1f}s"
-                )
-                if self._agree(stop, force=True)[0]:
-                    raise Preempted(
-                        f"stopped by {signal.Signals(stop.signum).name} after epoch {epoch}; rerun the same command to continue"
-                    )
-        if not last:
-            rows = read_metrics(cfg.out_dir) if ctx.is_main else []
-            last = rows[-1] if rows else {}
-            self.log.info(
-                f"nothing to train: the run in {cfg.out_dir} already finished {self.epoch} epoch(s)"
-            )
-        if last.get("val_acc1") is not None:
-            self.log.info(
-                f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
-            )
-        return last
+                self.log.info(self._epoch_line(last))
+                if self.stop.poll(state.step, force=True).stop:
+                    where = f"after epoch {epoch}; rerun the same command to continue"
+                    raise self.stop.preempted(where, self.ctx.is_main)
+            return self._finish(last)
 
-    def train_epoch(self, epoch: int, stop: _StopFlag) -> tuple[float, float, int]:
-        """One pass over this rank's shard; returns (loss, acc1, samples) reduced over all ranks."""
-        cfg = self.cfg
-        accum = cfg.train.grad_accum_steps
-        # Augmentation and dropout streams: a function of (seed, rank, epoch), so a resumed run repeats them.
-        if not self.consumed:
-            seed_everything(derive_seed(cfg.seed, self.ctx.rank, epoch))
-        loader = self.train_loader
-        loader.set_epoch(epoch)
-        if self.consumed:
-            loader.set_start(self.consumed)
-        first_step = self.consumed // self.global_batch
+    def train_epoch(self, epoch: int) -> tuple[float, float, int]:
+        """Optimizer steps over this rank's shard until the epoch ends, a stop is agreed or train.max_steps is
+        reached; returns (loss, acc1, samples) of the epoch over all ranks."""
+        cfg, state, accum = self.cfg, self.state, self.cfg.train.grad_accum_steps
+        state.begin_epoch(epoch)
+        first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
+        self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
+        with contextlib.closing(iter(self.train_loader)) as micro_batches:
+            for done in range(first + 1, first + len(self.train_loader) // accum + 1):
+                self.train_step(itertools.islice(micro_batches, accum))
+                self.log.step(
+                    done, self.steps_per_epoch, epoch, cfg.train.epochs, state.sums, cfg.train.log_every
+                )
+                if done % cfg.train.log_every == 0:
+                    self.nonfinite.check(state.step)
+                self.heartbeat.step = state.step
+                decision = self.stop.poll(state.step)
+                if decision.stop or state.step >= self.total_steps:
+                    break
+                if decision.checkpoint and done < self.steps_per_epoch:
+                    self.nonfinite.check(state.step)
+                    self.checkpoint()
+            else:  # the pass ends, also when a resume on more ranks left less than one optimizer step of it
+                next(micro_batches, None)
+        self.log.epoch_end()
+        self.nonfinite.check(state.step)
+        result = state.epoch_means()
+        state.end_epoch(epoch)
+        return result
+
+    def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
+        accum = self.cfg.train.grad_accum_steps
         self.wrapped.train()
-        sums = self._sums = RunningSums(self.device)
-        if (
-            self._resume_sums is not None
-        ):  # the part of this epoch trained before the checkpoint (rank 0 holds it)
-            sums.t += torch.tensor(self._resume_sums, dtype=torch.float64, device=self.device)
-            self._resume_sums = None
-        self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first_step)
-        micro = 0
-        step_in_epoch = first_step
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        for x, y in loader:
-            x, y = self._to_device(x, y)
-            last_micro = (micro + 1) % accum == 0
-            with self.strategy.sync_context(self.wrapped, last_micro):
-                with self._autocast():
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = to_device(x, y, self.device, self.cfg.model.channels_last)
+            # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
+            with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
+                with self.autocast():
                     logits = self.wrapped(x)
                 loss = self.criterion(logits.float(), y)
                 self.scaler.scale(loss / accum).backward()
-            sums.add(loss, logits, y)
-            bad |= ~torch.isfinite(loss.detach())
-            micro += 1
-            if not last_micro:
-                continue
-            if cfg.train.nonfinite == "skip" and self._skip_nonfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                bad.zero_()
-            else:
-                self._optimizer_step()
-            self.step += 1
-            step_in_epoch += 1
-            self.consumed = step_in_epoch * self.global_batch
-            self.log.step(
-                step_in_epoch, self.steps_per_epoch, epoch, cfg.train.epochs, sums, cfg.train.log_every
-            )
-            if step_in_epoch % cfg.train.log_every == 0:
-                self._check_finite(bad)
-            self.heartbeat.step = self.step
-            stop_now, save_now = self._agree(stop)
-            if stop_now or self.step >= self.total_steps:
-                break
-            every = cfg.checkpoint.every_steps
-            if (save_now or (every and self.step % every == 0)) and step_in_epoch < self.steps_per_epoch:
-                self._check_finite(bad)
-                self.save(epoch_end=False)
-        self.log.epoch_end()
-        self._check_finite(bad)
-        if not stop.signum or step_in_epoch >= self.steps_per_epoch or self.step >= self.total_steps:
-            self.consumed = 0
-        loss_sum, correct, count = all_reduce_sum(sums.t).tolist()
-        return (loss_sum / count, correct / count, int(count)) if count else (math.nan, math.nan, 0)
-
-    def _optimizer_step(self) -> None:
-        if self.cfg.train.clip_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-
-    def _skip_nonfinite(self, loss: torch.Tensor) -> bool:
-        """train.nonfinite=skip: every rank agrees to drop this step when any rank saw a non-finite loss."""
-        flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).item() else 1.0], dtype=torch.float64)
-        if all_reduce_sum(flag).item() > 0:
-            self.log.info(
-                f"ddpkit: warning: non-finite loss at step {self.step + 1}; step skipped (train.nonfinite=skip)"
-            )
-            return True
-        return False
-
-    def _check_finite(self, bad: torch.Tensor) -> None:
-        """train.nonfinite=stop: stop every rank with a message naming the rank(s) and step."""
-        flags = all_gather_object(bool(bad.item()))
-        if any(flags):
-            ranks = ", ".join(str(r) for r, f in enumerate(flags) if f)
-            raise UserError(
-                f"non-finite loss on rank {ranks} by step {self.step}",
-                "lower optim.lr, enable train.clip_grad_norm, check the data, or set train.nonfinite=skip",
-            )
-
-    def _agree(self, stop: _StopFlag, force: bool = False) -> tuple[bool, bool]:
-        """(stop now, checkpoint now), the same on every rank.
-
-        A signal on any rank stops all ranks at the same step; rank 0's clock decides time-based checkpoints.
-        The ranks compare notes every STOP_CHECK_EVERY steps (one 2-element all-reduce).
-        """
-        every_s = self.cfg.checkpoint.every_minutes * 60
-        due = bool(every_s) and self.ctx.is_main and time.monotonic() - self._last_save >= every_s
-        if self.ctx.world_size == 1:
-            return bool(stop.signum), due
-        if self.step % STOP_CHECK_EVERY and not force:
-            return False, False
-        buf = torch.tensor([float(bool(stop.signum)), float(due)], dtype=torch.float64)
-        stop_any, save = all_reduce_sum(buf).tolist()
-        if stop_any and not stop.signum:
-            stop.signum = signal.SIGTERM
-        return bool(stop_any), bool(save)
+            self.state.sums.add(loss, logits, y)
+            self.nonfinite.see(loss)
+        if self.nonfinite.skip_step(self.state.step + 1):
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            if self.cfg.train.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.state.step += 1
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -434,16 +239,134 @@ class Trainer:
             self.val_loader,
             self.device,
             self.criterion,
-            self._autocast,
+            self.autocast,
             self.strategy.collective_forward,
             self.cfg.model.channels_last,
         )
 
+    # ---- checkpoints --------------------------------------------------------------------------
+    def checkpoint(self, row: dict[str, Any] | None = None) -> None:
+        """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
+        epoch last.pt only; best.pt too when `row` (the metrics line it carries) has the best val_acc1."""
+        best = row is not None and row["val_acc1"] is not None and row["val_acc1"] > self.state.best_acc1
+        if best:
+            self.state.best_acc1 = row["val_acc1"]
+        full = {
+            "model": self.strategy.model_state(self.wrapped),
+            "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            **self.state.state_dict(),
+            "config": config_mod.to_dict(self.cfg),
+            "metrics_row": row,
+        }
+        if self.ctx.is_main:
+            if full["consumed"]:
+                self.ckpt.save_step(full, best)
+            else:
+                self.ckpt.save_epoch(full, self.state.epoch, best)
+        self.stop.checkpointed()
+        barrier()  # nobody reads a checkpoint before it is complete
+
+    def resume(self) -> None:
+        """Rank 0 picks the checkpoint to continue from (if any) and tells the others; every rank loads it."""
+        path = broadcast_object(self._resume_path() if self.ctx.is_main else None)
+        if path is None:
+            return
+        ckpt = load_checkpoint(path, map_location="cpu", require=TRAIN_KEYS)
+        load_weights(self.strategy, self.wrapped, ckpt, path, self.cfg.model.arch, self.optimizer)
+        if "scheduler" in ckpt:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.state.load_state_dict(ckpt)
+        row = ckpt.get("metrics_row")
+        # metrics.jsonl keeps the lines of the epochs this checkpoint finished; a run that ended mid-epoch at
+        # train.max_steps also keeps that epoch's line, unless training goes on (the line comes again, whole).
+        ended_here = row is not None and not self._more_to_train()
+        self.log.reconcile_metrics(int(row["epoch"]) if ended_here else self.state.epoch, row)
+        self.log.info(f"resumed from {path} ({self.state.describe()})")
+
+    def _resume_path(self) -> str | None:
+        choice = self.cfg.checkpoint.resume
+        if choice == "none":
+            return None
+        if choice != "auto":
+            load_checkpoint(choice, require=TRAIN_KEYS)  # fail here, once, with a clear message
+            return choice
+        found = self.ckpt.newest_complete(warn=self.log.info)
+        return str(found[0]) if found else None
+
+    # ---- small parts of the recipe ------------------------------------------------------------
+    def _more_to_train(self) -> bool:
+        return self.state.epoch < self.cfg.train.epochs and self.state.step < self.total_steps
+
+    def _eval_due(self, epoch: int) -> bool:
+        every, last = self.cfg.eval.every, self.cfg.train.epochs
+        return epoch % every == 0 or epoch == last or self.state.step >= self.total_steps
+
+    def _banner(self) -> str:
+        cfg, ctx = self.cfg, self.ctx
+        return (
+            f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
+            f"strategy {self.strategy.name}, global batch {self.global_batch} "
+            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
+            f"{self.steps_per_epoch} optimizer steps/epoch"
+        )
+
+    def _metrics_row(self, epoch: int, train: tuple[float, float, int], val: dict, elapsed: float) -> dict:
+        loss, acc1, samples = train
+        samples -= self.state.resumed_samples  # the throughput of this process's part of the epoch
+        return {
+            "epoch": epoch,
+            "step": self.state.step,
+            "world_size": self.ctx.world_size,
+            "global_batch_size": self.global_batch,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "train_loss": loss,
+            "train_acc1": acc1,
+            **val,
+            "epoch_time_s": round(elapsed, 4),
+            "train_images_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
+        }
+
+    def _epoch_line(self, row: dict[str, Any]) -> str:
+        val = row["val_loss"] is not None
+        return (
+            f"epoch {row['epoch']}/{self.cfg.train.epochs} | train loss {row['train_loss']:.4f} "
+            f"acc {100 * row['train_acc1']:.2f}% | "
+            + (f"val loss {row['val_loss']:.4f} acc1 {100 * row['val_acc1']:.2f}% | " if val else "")
+            + f"{row['train_images_per_s']} img/s | {row['epoch_time_s']:.1f}s"
+        )
+
+    def _finish(self, last: dict[str, Any]) -> dict[str, Any]:
+        if not last:
+            rows = read_metrics(self.cfg.out_dir) if self.ctx.is_main else []
+            last = rows[-1] if rows else {}
+            self.log.info(
+                f"nothing to train: the run in {self.cfg.out_dir} already finished ({self.state.describe()})"
+            )
+        if last.get("val_acc1") is not None:
+            self.log.info(
+                f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
+            )
+        return last
+
     def _write_config(self) -> None:
         if self.ctx.is_main:
-            from ddpkit.checkpoint import save_text
-
             save_text(Path(self.cfg.out_dir) / "config.yaml", config_mod.to_yaml(self.cfg))
+
+    @contextlib.contextmanager
+    def _closing(self):
+        try:
+            yield
+        finally:
+            self.log.close()
+            if self._own_heartbeat:
+                self.heartbeat.close()
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
@@ -469,21 +392,14 @@ def evaluate(
         n_max = int(t.item())
     dummy = None
     for i in range(n_max):
-        if i < n_local:
-            x, y = next(batches)
-            x, y = x.to(device), y.to(device)
-            if channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            dummy = x[:1]
-        else:  # a rank with a shorter shard still joins the collective forward (fsdp)
+        if i >= n_local:  # a rank with a shorter shard still joins the collective forward (fsdp)
             model(dummy if dummy is not None else _dummy_input(loader, device))
             continue
+        x, y = to_device(*next(batches), device, channels_last)
+        dummy = x[:1]
         with autocast():
-            logits = model(x)
-        logits = logits.float()
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hit = top == y[:, None]
+            logits = model(x).float()
+        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
         sums += torch.stack(
             [
                 criterion(logits, y) * y.shape[0],

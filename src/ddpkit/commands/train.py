@@ -30,11 +30,8 @@ def train_command(cfg: Config, args, ctx: DistContext) -> int:
     """`ddpkit train`."""
     from ddpkit.trainer import Trainer
 
-    heartbeat = Heartbeat.current(ctx)
-    try:
+    with Heartbeat(ctx.rank, ctx.world_size) as heartbeat:
         with explain_comm_failures(ctx, heartbeat, lambda: 0):  # set-up collectives (DDP's broadcast, ...)
-            trainer = Trainer(cfg, ctx)
+            trainer = Trainer(cfg, ctx, heartbeat)
         trainer.fit()
-    finally:
-        heartbeat.close()
     return 0

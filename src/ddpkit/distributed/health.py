@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
@@ -19,7 +20,8 @@ import torch.distributed as dist
 KEY = "ddpkit/hb/{rank}"
 # Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
 COMM_FAILURE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "store")
-_CURRENT: Heartbeat | None = None
+# Every heartbeat of this process still beating, so the runtime's teardown can stop them before the group goes.
+_LIVE: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
 
 def _default_store():
@@ -32,7 +34,10 @@ def _default_store():
 
 
 class Heartbeat:
-    """Publish this rank's progress; diagnose the others' after a failed collective."""
+    """Publish this rank's progress; diagnose the others' after a failed collective.
+
+    Whoever makes one owns it: pass it to what needs it and close it (or use it as a context manager).
+    """
 
     def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
@@ -45,15 +50,14 @@ class Heartbeat:
         if self._store is not None:
             self._thread = threading.Thread(target=self._run, name="ddpkit-heartbeat", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
             atexit.register(self.close)  # also when the caller never closes it (library use)
 
-    @classmethod
-    def current(cls, ctx) -> Heartbeat:
-        """The process's one heartbeat (started on first use)."""
-        global _CURRENT
-        if _CURRENT is None or _CURRENT._stop.is_set():
-            _CURRENT = cls(ctx.rank, ctx.world_size)
-        return _CURRENT
+    def __enter__(self) -> Heartbeat:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _beat(self) -> None:
         self._store.set(KEY.format(rank=self.rank), f"{self.step} {time.time():.3f}")
@@ -73,6 +77,7 @@ class Heartbeat:
         mid-C++-call, and the process aborts (SIGABRT) after training succeeded.
         """
         self._stop.set()
+        _LIVE.discard(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 10)
 
@@ -116,9 +121,9 @@ class Heartbeat:
 
 
 def stop_heartbeat() -> None:
-    """Stop the process's heartbeat, if one runs (before the process group goes away, and at exit)."""
-    if _CURRENT is not None:
-        _CURRENT.close()
+    """Stop every heartbeat this process still runs (the runtime calls it before the process group goes away)."""
+    for heartbeat in list(_LIVE):
+        heartbeat.close()
 
 
 @contextlib.contextmanager

@@ -234,12 +234,11 @@ def describe_exit(code: int) -> str:
 def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
     ranks = ", ".join(f"rank {r} ({describe_exit(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
-    err = WorkerFailure(f"worker {ranks} failed{after}")
     codes = set(failures.values())
-    # The workers' own status when they agree on one (2: they all met a user error and said so; a script's code
-    # under `ddpkit run`), else 1.
-    err.exit_code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
-    return err
+    # The workers' own status when they agree on one, else 1; exit 2 means they all met a user error and said
+    # why, one line each, so the launcher adds none.
+    code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
+    return WorkerFailure(f"worker {ranks} failed{after}", exit_code=code, report=code != 2)
 
 
 def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exception:

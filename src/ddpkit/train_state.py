@@ -1,0 +1,123 @@
+"""Where a training run stands, saved in every checkpoint so that a rerun continues exactly.
+
+Epoch (finished epochs), optimizer step, the position in the current epoch (the train loader's own
+state_dict), the current epoch's partial train sums, the best val_acc1 and every rank's RNG streams.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, derive_seed, seed_everything
+from ddpkit.metrics import RunningSums
+
+if TYPE_CHECKING:
+    from ddpkit.data import DistributedLoader
+
+STATE_KEYS = ("epoch", "step", "consumed", "partial_sums", "best_acc1", "world_size", "rng")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG streams (torch, python, numpy, cuda), as types torch.load(weights_only=True) accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what rng_state() returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class TrainState:
+    """The resumable part of a run; state_dict() and load_state_dict() carry it through a checkpoint."""
+
+    def __init__(
+        self, loader: DistributedLoader, seed: int, rank: int, world_size: int, device: torch.device
+    ):
+        self.loader = loader  # its state_dict() is the position in the epoch
+        self.seed, self.rank, self.world_size, self.device = seed, rank, world_size, device
+        self.epoch = 0  # finished epochs
+        self.step = 0  # optimizer steps taken
+        self.best_acc1 = -1.0
+        # This epoch's train loss/correct/count (rank 0 also holds those from before a resume) ...
+        self.sums = RunningSums(device)
+        self.resumed_samples = 0  # ... and how many samples those were
+
+    @property
+    def consumed(self) -> int:
+        """Samples of epoch `epoch + 1` trained on so far, over all ranks (0 between epochs)."""
+        position = self.loader.state_dict()
+        return int(position["consumed"]) if position["epoch"] == self.epoch + 1 else 0
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` (1-based), or go on with it where a checkpoint left it."""
+        if self.consumed:  # resumed mid-epoch: position, RNG and partial sums came from the checkpoint
+            return
+        # Augmentation and dropout streams: a function of (seed, rank, epoch), so a resumed run repeats them.
+        seed_everything(derive_seed(self.seed, self.rank, epoch))
+        self.loader.set_epoch(epoch)
+        self.sums, self.resumed_samples = RunningSums(self.device), 0
+
+    def end_epoch(self, epoch: int) -> bool:
+        """After the train loop of epoch `epoch`: True (and the epoch counts as finished) unless it stopped early."""
+        if self.consumed:
+            return False
+        self.epoch = epoch
+        return True
+
+    def epoch_means(self) -> tuple[float, float, int]:
+        """(train loss, train acc1, samples) of this epoch so far, over all ranks (collective)."""
+        loss, correct, count = all_reduce_sum(self.sums.t).tolist()
+        return (loss / count, correct / count, int(count)) if count else (float("nan"), float("nan"), 0)
+
+    def describe(self) -> str:
+        """`epoch 2, 640 samples into epoch 3, step 47`."""
+        inside = f", {self.consumed} samples into epoch {self.epoch + 1}" if self.consumed else ""
+        return f"epoch {self.epoch}{inside}, step {self.step}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The entries of STATE_KEYS; collective (every rank calls it; the partial sums are summed over ranks)."""
+        consumed = self.consumed
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "consumed": consumed,
+            "partial_sums": all_reduce_sum(self.sums.t).tolist() if consumed else None,
+            "best_acc1": self.best_acc1,
+            "world_size": self.world_size,
+            "rng": all_gather_object(rng_state()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from state_dict() (checkpoints without the mid-epoch entries start at the next epoch)."""
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.best_acc1 = float(state.get("best_acc1", -1.0))
+        consumed = int(state.get("consumed") or 0)
+        self.loader.load_state_dict({"epoch": self.epoch + 1, "consumed": consumed})
+        self.sums, self.resumed_samples = RunningSums(self.device), 0
+        if not consumed:
+            return
+        rng = state.get("rng")
+        if rng and len(rng) == self.world_size:  # on another world size the streams cannot be continued
+            set_rng_state(rng[self.rank])
+        partial = state.get("partial_sums")
+        if partial:
+            self.resumed_samples = int(partial[2])
+            if self.rank == 0:  # counted once: by rank 0
+                self.sums.t += torch.tensor(partial, dtype=torch.float64, device=self.device)

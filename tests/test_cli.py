@@ -1,0 +1,60 @@
+"""The command line's edge (ddpkit.cli.main): every way a command ends becomes one line and an exit code."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit import cli
+from ddpkit.distributed.launch import _failure
+from ddpkit.errors import Preempted, TrainingFailure, UserError, WorkerFailure
+
+PREEMPTED = "stopped by SIGTERM after epoch 2; rerun the same command to continue"
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "stderr"),
+    [
+        (UserError("bad key", "fix it"), 2, "ddpkit: error: bad key (fix it)\n"),
+        (
+            TrainingFailure("non-finite loss on rank 1 by step 3"),
+            1,
+            "ddpkit: error: non-finite loss on rank 1 by step 3\n",
+        ),
+        (TrainingFailure("non-finite loss on rank 1 by step 3", report=False), 1, ""),  # another rank says it
+        (
+            WorkerFailure("worker rank 1 (exit code 7) failed"),
+            1,
+            "ddpkit: error: worker rank 1 (exit code 7) failed\n",
+        ),
+        (WorkerFailure("worker rank 0 (exit code 2) failed", exit_code=2, report=False), 2, ""),
+        (Preempted(PREEMPTED), 3, f"ddpkit: {PREEMPTED}\n"),
+        (Preempted(PREEMPTED, report=False), 3, ""),
+        (KeyboardInterrupt(), 130, "ddpkit: interrupted\n"),
+    ],
+)
+def test_each_ending_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code, stderr):
+    def fail(argv):
+        raise error
+
+    monkeypatch.setattr(cli, "run", fail)
+    monkeypatch.setenv("RANK", "1")  # who prints is the raiser's decision, not the environment's
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train"])
+    assert exit_.value.code == code
+    assert capsys.readouterr().err == stderr
+
+
+def test_failed_workers_exit_1_and_are_named_unless_all_failed_on_a_user_error():
+    err = _failure({1: 7, 0: -9}, 2)
+    assert str(err) == "worker rank 0 (killed by SIGKILL), rank 1 (exit code 7) failed after 2 restart(s)"
+    assert (err.exit_code, err.report) == (1, True)
+    said_why = _failure({0: 2, 1: 2}, 0)  # each worker printed its own `ddpkit: error:` line already
+    assert (said_why.exit_code, said_why.report) == (2, False)
+    assert (_failure({0: 2, 1: 1}, 0).exit_code, _failure({0: 3, 1: 1}, 0).exit_code) == (1, 1)
+    assert (_failure({0: 7, 1: 7}, 0).exit_code, _failure({0: -9, 1: -9}, 0).exit_code) == (7, 1)
+
+
+def test_a_command_that_succeeds_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0 and "ddpkit train --help-config" in capsys.readouterr().out
