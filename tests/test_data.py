@@ -647,3 +647,13 @@ def test_digits_come_from_scikit_learns_file_without_importing_it():
         "assert 'sklearn' not in sys.modules, 'scikit-learn was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=cli_env(), timeout=120)
+
+
+def test_an_evaluation_pass_leaves_the_global_random_stream_alone():
+    loader = eval_loader(_Indexed(20), 4)
+    torch.manual_seed(3)
+    want = torch.rand(3)
+    torch.manual_seed(3)
+    for _ in loader:
+        pass
+    assert torch.equal(torch.rand(3), want)

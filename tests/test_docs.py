@@ -35,4 +35,10 @@ def test_launch_flags_in_the_docs_are_the_parsers():
 
 def test_exit_statuses_in_the_docs_are_the_programs():
     documented = {row[0] for row in _table("Exit status")}
-    assert {str(UserError.exit_code), str(WorkerFailure.exit_code), str(Preempted.exit_code), "0", "130"} <= documented
+    assert {
+        str(UserError.exit_code),
+        str(WorkerFailure.exit_code),
+        str(Preempted.exit_code),
+        "0",
+        "130",
+    } <= documented

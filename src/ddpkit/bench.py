@@ -20,7 +20,6 @@ from typing import Any
 
 from ddpkit.errors import UserError, WorkerFailure
 from ddpkit.report import (
-    check_no_launch_flags,
     check_output,
     flatten,
     load_run,
@@ -196,7 +195,6 @@ def figure(results: list[dict[str, Any]], title: str):
 
 def bench_command(cfg, args) -> int:
     """`ddpkit bench --nproc 1,2,4`: one training per count, the scaling table on stdout (+ JSON, PNG)."""
-    check_no_launch_flags("bench", args)
     counts = parse_counts(args.nproc)
     json_out, png_out = check_output(args.json, ".json", "--json"), check_output(args.out, ".png", "--out")
     user = _keys_set_by_user(args.config, args.overrides)

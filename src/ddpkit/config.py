@@ -191,6 +191,15 @@ class EvalConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What rank 0 draws at the end of training."""
+
+    curves: bool = opt(
+        True, "write out_dir/curves.png (loss, accuracy, lr, images/s per epoch) when training ends"
+    )
+
+
+@dataclass
 class Config:
     """A whole run's config: the top-level keys, then one dataclass per section."""
 
@@ -213,6 +222,7 @@ class Config:
     dist: DistConfig = section(DistConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     eval: EvalConfig = section(EvalConfig, "test")
+    report: ReportConfig = section(ReportConfig)
 
 
 @functools.cache

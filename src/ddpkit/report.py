@@ -402,19 +402,8 @@ def add_flags(parser) -> None:
     g.add_argument("--target", type=float, metavar="ACC", help="val_acc1 to reach, in (0, 1], e.g. 0.98")
 
 
-def check_no_launch_flags(cmd: str, args) -> None:
-    """A local command (report, bench) refuses --nproc-per-node and the other launch flags."""
-    from ddpkit.distributed.launch import LaunchSpec, spec_from_args
-
-    if spec_from_args(args) != LaunchSpec():
-        raise UserError(
-            f"launch flags do not apply to `ddpkit {cmd}`", f"drop them; see `ddpkit {cmd} --help`"
-        )
-
-
 def report_command(cfg, args) -> int:
     """`ddpkit report RUN_DIR ...`: PNG (+ HTML, JSON), and the Markdown table on stdout."""
-    check_no_launch_flags("report", args)
     target = args.target
     if target is not None and not 0 < target <= 1:
         raise UserError(f"--target {target} is not in (0, 1]", "accuracies are fractions, e.g. --target 0.98")

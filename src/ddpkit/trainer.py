@@ -29,14 +29,16 @@ from ddpkit.distributed.collectives import (
     all_reduce_sum,
     barrier,
     broadcast_object,
+    gather_object,
     is_dist,
     rank_zero_first,
     seed_model_init,
 )
+from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.distributed.strategy import Strategy, build_strategy
+from ddpkit.distributed.strategy import Strategy, build_strategy, ddp_options
 from ddpkit.errors import UserError, first_line
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.train_state import TrainState
@@ -124,7 +126,9 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
-        self.strategy = build_strategy(cfg.dist.strategy, ctx)
+        self.strategy = build_strategy(
+            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+        )
         self.wrapped = self.strategy.wrap(self.model)
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
@@ -257,6 +261,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             **self.state.state_dict(),
+            **self._hook_states(),
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
         }
@@ -280,12 +285,37 @@ class Trainer:
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.state.load_state_dict(ckpt)
+        self.strategy.load_hook_state(self._my_hook_state(ckpt.get("comm_hook")))
         row = ckpt.get("metrics_row")
         # metrics.jsonl keeps the lines of the epochs this checkpoint finished; a run that ended mid-epoch at
         # train.max_steps also keeps that epoch's line, unless training goes on (the line comes again, whole).
         ended_here = row is not None and not self._more_to_train()
         self.log.reconcile_metrics(int(row["epoch"]) if ended_here else self.state.epoch, row)
         self.log.info(f"resumed from {path} ({self.state.describe()})")
+
+    def _hook_states(self) -> dict[str, Any]:
+        """{"comm_hook": [each rank's gradient-hook state]} (collective), or {} without a stateful hook:
+        PowerSGD's error feedback is each rank's own."""
+        mine = self.strategy.hook_state()
+        if mine is None:
+            return {}
+        return {"comm_hook": gather_object(mine)}
+
+    def _my_hook_state(self, saved: list | None) -> dict | None:
+        """This rank's saved hook state; on another world size the shared part only (the error feedback of
+        ranks that no longer match starts again from zero)."""
+        if not saved:
+            return None
+        if len(saved) == self.ctx.world_size:
+            return saved[self.ctx.rank]
+        shared = dict(saved[0])
+        shared["params"] = {
+            n: {k: v for k, v in p.items() if k != "error"} for n, p in shared["params"].items()
+        }
+        self.log.info(
+            f"ddpkit: PowerSGD's error feedback was saved on {len(saved)} ranks, not {self.ctx.world_size}: it restarts from zero"
+        )
+        return shared
 
     def _resume_path(self) -> str | None:
         choice = self.cfg.checkpoint.resume
@@ -350,6 +380,10 @@ class Trainer:
             self.log.info(
                 f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
             )
+        if self.cfg.report.curves and self.ctx.is_main and read_metrics(self.cfg.out_dir):
+            from ddpkit.report import write_curves
+
+            self.log.info(f"curves: {write_curves(self.cfg.out_dir)}")
         return last
 
     def _write_config(self) -> None:

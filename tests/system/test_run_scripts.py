@@ -33,7 +33,17 @@ def assert_same(a: Path, b: Path) -> None:
 def reference(tmp_path_factory) -> Path:
     """The torchrun-style script under torch's torchrun on 2 processes."""
     work = tmp_path_factory.mktemp("torchrun")
-    argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *TORCHRUN_STYLE, "--out", "w.pt"]
+    argv = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *TORCHRUN_STYLE,
+        "--out",
+        "w.pt",
+    ]
     ok(subprocess.run(argv, capture_output=True, text=True, timeout=300, env=cli_env(), cwd=work))
     return work / "w.pt"
 
@@ -41,8 +51,19 @@ def reference(tmp_path_factory) -> Path:
 def test_srun_two_tasks_run_a_torchrun_style_script_unchanged(slurm, tmp_path, reference):
     out = ok(
         slurm.run(
-            "srun", "-n", "2", "--export=ALL", PY, "-m", "ddpkit", "run", *TORCHRUN_STYLE, "--out", "w.pt",
-            cwd=tmp_path, timeout=300,
+            "srun",
+            "-n",
+            "2",
+            "--export=ALL",
+            PY,
+            "-m",
+            "ddpkit",
+            "run",
+            *TORCHRUN_STYLE,
+            "--out",
+            "w.pt",
+            cwd=tmp_path,
+            timeout=300,
         )
     )
     assert "[GPU0] Epoch 0" in out and "[GPU1] Epoch 0" in out, out
@@ -57,11 +78,36 @@ def test_mpirun_two_ranks_run_a_torchrun_style_script_unchanged(openmpi, tmp_pat
 
 
 def test_two_hosts_run_a_torchrun_style_script_unchanged(netns, tmp_path, reference):
-    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", netns.addrs[0], "--master-port", "29491"]
+    flags = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        netns.addrs[0],
+        "--master-port",
+        "29491",
+    ]
     procs = [
         subprocess.Popen(
-            netns.argv(node, PY, "-m", "ddpkit", "run", *flags, "--node-rank", str(node), *TORCHRUN_STYLE, "--out", "w.pt"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=netns.env(), cwd=tmp_path,
+            netns.argv(
+                node,
+                PY,
+                "-m",
+                "ddpkit",
+                "run",
+                *flags,
+                "--node-rank",
+                str(node),
+                *TORCHRUN_STYLE,
+                "--out",
+                "w.pt",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=netns.env(),
+            cwd=tmp_path,
         )
         for node in (0, 1)
     ]
@@ -75,7 +121,22 @@ def test_the_ported_script_under_srun_and_mpirun_matches_ddpkit_run(slurm, openm
     env = cli_env()
     local = [PY, "-m", "ddpkit", "run", "--nproc-per-node", "2", *ported, "local.pt"]
     ok(subprocess.run(local, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path))
-    out = ok(slurm.run("srun", "-n", "2", "--export=ALL", PY, "-m", "ddpkit", "run", *ported, "srun.pt", cwd=tmp_path, timeout=300))
+    out = ok(
+        slurm.run(
+            "srun",
+            "-n",
+            "2",
+            "--export=ALL",
+            PY,
+            "-m",
+            "ddpkit",
+            "run",
+            *ported,
+            "srun.pt",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     assert "on 333 samples" in out, out  # exact evaluation over the two Slurm tasks
     argv = openmpi.argv(2, PY, "-m", "ddpkit", "run", *ported, "mpi.pt", env=env)
     ok(subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path))

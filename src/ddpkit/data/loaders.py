@@ -227,6 +227,10 @@ def eval_loader(
     rank = get_rank() if rank is None else rank
     world_size = get_world_size() if world_size is None else world_size
     sampler = ExactEvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    # Its own generator: a DataLoader without one draws a seed from the global RNG at every pass, so an
+    # evaluation would shift the training random stream (a run evaluated at a stop would resume differently).
+    if loader_kwargs.get("generator") is None:
+        loader_kwargs["generator"] = torch.Generator().manual_seed(0)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **_loader_kwargs(loader_kwargs)
     )

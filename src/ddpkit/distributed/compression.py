@@ -153,7 +153,11 @@ class PowerSGDHook:
             return  # parameters the state never covered: PowerSGD starts this bucket afresh
         pieces = [self.pool.pop(n) for n in names]
         st = self.state
-        st.error_dict[index] = torch.cat([p["error"] for p in pieces]).to(device)
+        errors = [
+            p.get("error", torch.zeros(int(torch.Size(sh).numel())))
+            for p, sh in zip(pieces, shapes, strict=True)
+        ]
+        st.error_dict[index] = torch.cat(errors).to(device)
         p_at, _ = _factor_slices(_plan(st, shapes))
         order = [i for _, i in sorted((at[0], i) for i, at in enumerate(p_at) if at is not None)]
         if order and all("p" in pieces[i] for i in order):

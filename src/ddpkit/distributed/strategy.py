@@ -205,6 +205,18 @@ class FSDPStrategy(Strategy):
             set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
 
 
+def ddp_options(dist_cfg) -> dict:
+    """DistributedDataParallel's keyword arguments from dist.bucket_cap_mb, static_graph, grad_as_bucket_view."""
+    out: dict = {}
+    if dist_cfg.bucket_cap_mb is not None:
+        out["bucket_cap_mb"] = dist_cfg.bucket_cap_mb
+    if dist_cfg.static_graph:
+        out["static_graph"] = True
+    if dist_cfg.grad_as_bucket_view:
+        out["gradient_as_bucket_view"] = True
+    return out
+
+
 def build_strategy(
     name: str, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
 ) -> Strategy:
