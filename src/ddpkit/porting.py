@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
-from ddpkit.distributed.strategy import Strategy, build_strategy
+from ddpkit.distributed.strategy import Strategy, build_strategy, unwrap_module
 from ddpkit.errors import UserError
 
 STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp")
@@ -27,11 +27,7 @@ STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp")
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's own module inside a DDP / DataParallel / torch.compile wrapper (what to save and load)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+    return unwrap_module(model)
 
 
 def _context() -> DistContext:

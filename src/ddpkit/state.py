@@ -20,10 +20,11 @@ from torch import nn
 
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.distributed.collectives import all_gather_object, barrier, get_rank, get_world_size
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 from ddpkit.rng import rng_state, set_rng_state
 
 FORMAT = "ddpkit.state/1"
+STATEFUL = ("scheduler", "scaler", "loader")  # objects whose state_dict() save_state keeps
 _PLAIN = (torch.Tensor, str, int, float, bool, type(None), torch.dtype, torch.device)
 
 
@@ -46,62 +47,44 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
-def _is_fsdp(model: nn.Module) -> bool:
+def _strategy(model: nn.Module, optimizer: Any):
+    """The Strategy that knows how to read and write this (prepared) model's and optimizer's full state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ddpkit.distributed.runtime import current, init_distributed
+    from ddpkit.distributed.strategy import FSDPStrategy, Strategy, Zero1Strategy
+
+    ctx = current() or init_distributed()
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # older torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
+        FSDPModule = ()  # noqa: N806
+    if isinstance(model, FSDPModule):
+        return FSDPStrategy(ctx)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return Zero1Strategy(ctx)
+    return Strategy(ctx)
 
 
-def _is_zero(optimizer: Any) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def save_state(path: str | os.PathLike, *, model: nn.Module, optimizer: Any = None, **objects: Any) -> Path:
+    """Write the training state to `path` atomically (rank 0 writes; every rank must call it).
 
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state_dict of the user's module (gathered from the ranks when sharded). Collective for fsdp."""
-    from ddpkit.porting import unwrap
-
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return unwrap(model).state_dict()
-
-
-def _optimizer_state(model: nn.Module, optimizer: Any) -> dict | None:
-    """The full optimizer state on rank 0 (gathered when sharded). Collective for fsdp and zero1."""
-    if _is_zero(optimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if get_rank() == 0 else None
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, optimizer, options=opts)
-    return optimizer.state_dict()
-
-
-def save_state(
-    path: str | os.PathLike,
-    *,
-    model: nn.Module,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    loader: Any = None,
-    **extra: Any,
-) -> Path:
-    """Write the training state to `path` atomically (rank 0 writes; every rank must call it)."""
+    `objects`: `scheduler=`, `scaler=`, `loader=` (anything with state_dict()); every other keyword is a value of
+    yours (numbers, strings, tensors, lists, dicts) that load_state returns.
+    """
+    extra = {k: v for k, v in objects.items() if k not in STATEFUL}
     _check_plain(extra, "extra")
-    state: dict[str, Any] = {"format": FORMAT, "model": _model_state(model), "world_size": get_world_size()}
+    strategy = _strategy(model, optimizer)
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "model": strategy.model_state(model),
+        "world_size": get_world_size(),
+    }
     if optimizer is not None:
-        state["optimizer"] = _optimizer_state(model, optimizer)
-    for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
-        if obj is not None:
-            state[name] = obj.state_dict()
+        state["optimizer"] = strategy.optimizer_state(model, optimizer)
+    for name in STATEFUL:
+        if objects.get(name) is not None:
+            state[name] = objects[name].state_dict()
     state["rng"] = all_gather_object(rng_state())
     state["extra"] = extra
     target = Path(path)
@@ -112,47 +95,33 @@ def save_state(
 
 
 def load_state(
-    path: str | os.PathLike,
-    *,
-    model: nn.Module,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    loader: Any = None,
+    path: str | os.PathLike, *, model: nn.Module, optimizer: Any = None, **objects: Any
 ) -> dict[str, Any]:
     """Restore what save_state wrote, on every rank; returns the extra values given to save_state.
 
     The random streams come back per rank when the world size is the one that saved them.
     """
-    from ddpkit.porting import unwrap
-
+    unknown = sorted(set(objects) - set(STATEFUL))
+    if unknown:
+        raise TypeError(f"load_state() got unexpected keyword(s) {unknown}; it restores {', '.join(STATEFUL)}")
     state = load_checkpoint(path, map_location="cpu", require=("model",))
     if state.get("format") != FORMAT:
         raise UserError(f"'{path}' was not written by ddpkit.save_state", "give a file that save_state wrote")
+    optim_sd = state.get("optimizer") if optimizer is not None else None
     try:
-        if _is_fsdp(model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-        else:
-            unwrap(model).load_state_dict(state["model"])
+        _strategy(model, optimizer).load(model, optimizer, state["model"], optim_sd)
     except (RuntimeError, KeyError, ValueError) as e:
-        from ddpkit.errors import first_line
-
         raise UserError(
             f"'{path}' does not fit this model: {first_line(e)}", "load it into the model it was saved from"
         ) from None
-    if optimizer is not None and state.get("optimizer") is not None:
-        if _is_fsdp(model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            opts = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-    for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
-        if obj is not None and name in state:
-            obj.load_state_dict(state[name])
+    unknown = sorted(set(objects) - set(STATEFUL))
+    if unknown:
+        raise TypeError(
+            f"load_state() got unexpected keyword(s) {unknown}; it restores {', '.join(STATEFUL)}"
+        )
+    for name in STATEFUL:
+        if objects.get(name) is not None and name in state:
+            objects[name].load_state_dict(state[name])
     rng = state.get("rng") or []
     if len(rng) == get_world_size():
         set_rng_state(rng[get_rank()])

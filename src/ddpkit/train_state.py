@@ -6,42 +6,18 @@ state_dict), the current epoch's partial train sums, the best val_acc1 and every
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, derive_seed, seed_everything
 from ddpkit.metrics import RunningSums
+from ddpkit.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from ddpkit.data import DistributedLoader
 
 STATE_KEYS = ("epoch", "step", "consumed", "partial_sums", "best_acc1", "world_size", "rng")
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG streams (torch, python, numpy, cuda), as types torch.load(weights_only=True) accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what rng_state() returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class TrainState:

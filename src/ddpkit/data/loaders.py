@@ -181,35 +181,15 @@ class DistributedLoader:
                 s.start = 0
 
 
-def distributed_loader(
-    dataset: Dataset,
-    batch_size: int,
-    *,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = True,
-    grad_accum_steps: int = 1,
-    rank: int | None = None,
-    world_size: int | None = None,
-    **loader_kwargs: Any,
-) -> DistributedLoader:
+def distributed_loader(dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
     """A training loader: this rank's share of the global order, batch_size per process, set_epoch automatic.
 
-    Takes every DataLoader keyword argument (num_workers, collate_fn, pin_memory, persistent_workers, ...).
+    Takes DistributedLoader's keywords (shuffle, seed, drop_last, grad_accum_steps, rank, world_size) and every
+    DataLoader one (num_workers, collate_fn, pin_memory, ...); workers persist between epochs unless told not to.
     """
-    if loader_kwargs.get("num_workers"):
-        loader_kwargs.setdefault("persistent_workers", True)
-    return DistributedLoader(
-        dataset,
-        batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        grad_accum_steps=grad_accum_steps,
-        rank=rank,
-        world_size=world_size,
-        **loader_kwargs,
-    )
+    if kwargs.get("num_workers"):
+        kwargs.setdefault("persistent_workers", True)
+    return DistributedLoader(dataset, batch_size, **kwargs)
 
 
 def eval_loader(

@@ -231,6 +231,29 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     )
 
 
+def _port(env: Mapping[str, str], fallback: int) -> int:
+    """MASTER_PORT when set (checked), else `fallback`."""
+    return _check_port(_int(env, "MASTER_PORT"), "MASTER_PORT") if "MASTER_PORT" in env else fallback
+
+
+def _ranked(
+    rank: int, world: int, local_rank: int, local_world: int, env: Mapping[str, str], port: int, launcher: str
+) -> DistEnv:
+    """A DistEnv whose node rank and node count follow from the ranks per node; master address from MASTER_ADDR."""
+    per_node = max(local_world, 1)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=rank // per_node,
+        num_nodes=max(1, -(-world // per_node)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=port,
+        launcher=launcher,
+    )
+
+
 def _mpi_env(
     env: Mapping[str, str], names: tuple[str, str, str, str], launcher: str, job_key: str
 ) -> DistEnv:
@@ -246,23 +269,8 @@ def _mpi_env(
             f"{launcher} job spans several nodes but MASTER_ADDR is not set",
             "pass the first host with `mpirun -x MASTER_ADDR=HOST ...`",
         )
-    if "MASTER_PORT" in env:
-        port = _check_port(_int(env, "MASTER_PORT"), "MASTER_PORT")
-    elif job_key in env:
-        port = slurm_port(env[job_key])
-    else:
-        port = DEFAULT_PORT
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
-        node_rank=rank // max(local_world, 1),
-        num_nodes=max(1, -(-world // max(local_world, 1))),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port,
-        launcher=launcher,
-    )
+    fallback = slurm_port(env[job_key]) if job_key in env else DEFAULT_PORT
+    return _ranked(rank, world, local_rank, local_world, env, _port(env, fallback), launcher)
 
 
 def manual_env(init_method: str, rank: int | None, world_size: int | None) -> DistEnv:
@@ -332,20 +340,7 @@ def explicit_env(
     _check_ranks(rank, world_size, local_rank, local_world, "rank=/world_size=")
     if world_size == 1:
         return DistEnv()
-    port = (
-        _check_port(_int(environ, "MASTER_PORT"), "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT
-    )
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world,
-        node_rank=rank // max(local_world, 1),
-        num_nodes=max(1, -(-world_size // max(local_world, 1))),
-        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port,
-        launcher="manual",
-    )
+    return _ranked(rank, world_size, local_rank, local_world, environ, _port(environ, DEFAULT_PORT), "manual")
 
 
 def torch_variables(env: DistEnv) -> dict[str, str]:

@@ -26,6 +26,13 @@ def resolve_strategy(name: str, world_size: int) -> str:
     return name
 
 
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """The module inside DDP, DataParallel and torch.compile wrappers."""
+    while isinstance(inner := getattr(model, "module", None) or getattr(model, "_orig_mod", None), nn.Module):
+        model = inner
+    return model
+
+
 class Strategy:
     """How the model and optimizer are spread over the ranks. Subclasses override what differs."""
 
@@ -40,8 +47,12 @@ class Strategy:
         return model
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
-        """The user's module (what a checkpoint stores)."""
-        return getattr(wrapped, "module", wrapped)
+        """The user's module (what a checkpoint stores): inside DDP, DataParallel and torch.compile wrappers."""
+        while isinstance(
+            inner := getattr(wrapped, "module", None) or getattr(wrapped, "_orig_mod", None), nn.Module
+        ):
+            wrapped = inner
+        return wrapped
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         """What evaluation calls: the plain module, so uneven shards run no collective."""
