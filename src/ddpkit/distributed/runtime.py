@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.env import DistEnv, detect_env
 from ddpkit.distributed.health import stop_heartbeat
+from ddpkit.distributed.netif import use_interface
 from ddpkit.errors import UserError, first_line
 
 
@@ -90,6 +91,7 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.distributed and not dist.is_initialized():
+        use_interface(env.master_addr, env.num_nodes > 1)  # before gloo/NCCL pick an address
         kwargs = {}
         if env.init_method.startswith("env://"):
             # Make env:// see exactly what was detected, whatever the launcher called it.
