@@ -83,11 +83,36 @@ def _check_name(flag: str, name: str, pattern: re.Pattern[str], allowed: str) ->
         raise UserError(f"{flag} '{name}' is not a valid name", f"use {allowed}")
 
 
-def _check_time(limit: str | None) -> None:
-    if limit is not None and not _TIME.fullmatch(limit):
+def _check_time(limit: str | None, signal_before: int) -> None:
+    if not 0 < signal_before <= 65535:
+        raise UserError(
+            f"--signal-before must be 1..65535 seconds, got {signal_before}", "use e.g. --signal-before 120"
+        )
+    if limit is None:
+        return
+    m = _TIME.fullmatch(limit)
+    if not m:
         raise UserError(
             f"--time '{limit}' is not a time limit", "write HH:MM:SS or D-HH:MM:SS, e.g. --time 04:00:00"
         )
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if signal_before >= total:
+        raise UserError(
+            f"--signal-before {signal_before} is not shorter than --time {limit} ({total} s): the warning would come "
+            "as the job starts",
+            f"use a --signal-before below {total}, e.g. {max(total // 10, 1)}, or a longer --time",
+        )
+
+
+def directive(value: str) -> str:
+    """A #SBATCH value as sbatch's directive parser reads it: in double quotes (with \\ and \" escaped) when it
+    holds white space, a quote, a backslash or a '#' (which would start a comment)."""
+    if "\n" in value or "\r" in value:
+        raise UserError(f"{value!r} cannot be an sbatch directive: it holds a line break", "choose another path")
+    if re.search(r"[\s\"'\\#]", value):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
 
 
 def _tasks_per_node(gpus: int, ntasks: int | None) -> int:
@@ -119,7 +144,7 @@ def sbatch_script(
     python: str = sys.executable,
     workdir: Path | None = None,
 ) -> str:
-    """An sbatch script: one Slurm task per rank, each running `ddpkit train -c CONFIG`; requeued when preempted."""
+    """An sbatch script: one Slurm task per rank, each running `ddpkit train -c CONFIG`; requeued at the time limit."""
     err = log.with_suffix(".err") if log.suffix == ".out" else Path(f"{log}.err")
     directives = [
         f"--job-name={job_name}",
@@ -127,16 +152,16 @@ def sbatch_script(
         f"--ntasks-per-node={ntasks}",
         *([f"--gres=gpu:{gpus}"] if gpus else []),
         *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
-        *([f"--partition={partition}"] if partition else []),
+        *([f"--partition={directive(partition)}"] if partition else []),
         *([f"--time={time_limit}"] if time_limit else []),
-        f"--chdir={workdir or Path.cwd()}",
-        f"--output={log}",
-        f"--error={err}",
+        f"--chdir={directive(str(workdir or Path.cwd()))}",
+        f"--output={directive(str(log))}",
+        f"--error={directive(str(err))}",
         "--open-mode=append",
-        f"--signal=USR1@{signal_before}",
+        f"--signal=B:USR1@{signal_before}",
         "--requeue",
     ]
-    world = nodes * ntasks
+    world, code = nodes * ntasks, Preempted.exit_code
     lines = [
         "#!/bin/bash",
         f"# Written by `ddpkit slurm`: {nodes} node(s) x {ntasks} task(s) = {world} rank(s), one Slurm task per rank.",
@@ -145,17 +170,41 @@ def sbatch_script(
         "",
         f"# Training config (out_dir={cfg.out_dir}): change it there, or add KEY=VALUE overrides to the srun line.",
         f"CONFIG={shlex.quote(str(config_path))}",
+        f"OUT_DIR={shlex.quote(str(cfg.out_dir))}",
         f'PYTHON="${{PYTHON:-{python}}}"',
         'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
         "",
+        f"# {signal_before} s before the time limit Slurm sends SIGUSR1 to this script (--signal=B:...), which passes it",
+        f"# on to every rank through srun: each one checkpoints at the next step boundary and exits {code}.",
+        "signalled=0 woke=0 step=",
+        "on_usr1() {",
+        "    signalled=1 woke=1",
+        f'    echo "ddpkit: SIGUSR1 ({signal_before} s before the time limit): every rank checkpoints and stops" >&2',
+        '    if [ -n "$step" ]; then kill -USR1 "$step" 2>/dev/null; fi',
+        "}",
+        "trap on_usr1 USR1",
+        "",
         "# Every task is one rank: ddpkit reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_STEP_NODELIST;",
         "# the first node is the master, the port is derived from the job id (set MASTER_PORT to choose one).",
-        'srun --kill-on-bad-exit=1 "$PYTHON" -m ddpkit train -c "$CONFIG"',
-        "status=$?",
+        f"# --kill-on-bad-exit=0: a rank that exits {code} after the checkpoint must not get the others killed first.",
+        'srun --kill-on-bad-exit=0 "$PYTHON" -m ddpkit train -c "$CONFIG" &',
+        "step=$!",
+        'if [ "$signalled" = 1 ]; then kill -USR1 "$step" 2>/dev/null; fi  # it came while srun started',
+        "status=",
+        'while [ -z "$status" ]; do',
+        '    woke=0; wait "$step"; rc=$?',
+        '    if [ "$woke" = 1 ] && [ "$rc" -gt 128 ]; then continue; fi  # the trap cut the wait short',
+        "    status=$rc",
+        "done",
         "",
-        f"# {signal_before} s before the time limit every task gets SIGUSR1: ddpkit checkpoints at the next step and",
-        f"# exits {Preempted.exit_code}. Back into the queue then; the next run resumes from out_dir (checkpoint.resume=auto).",
-        f'if [ "$status" -eq {Preempted.exit_code} ]; then',
+        "# Stopped at the time-limit signal: back into the queue; the next run resumes from out_dir (checkpoint.resume=auto).",
+        'if [ "$signalled" = 1 ] && [ "$status" -ne 0 ]; then',
+        '    if [ -f "$OUT_DIR/checkpoints/last.pt" ]; then',
+        '        from="from its last checkpoint"',
+        "    else",
+        '        from="from the start (the signal came before the first checkpoint)"',
+        "    fi",
+        '    echo "ddpkit: requeue $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID (the ranks exited $status at the time-limit signal): the next run continues $from" >&2',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$status"',
@@ -181,13 +230,8 @@ def slurm_command(cfg: Config, args) -> int:
     """Write (and with --submit, submit) the sbatch script for N nodes x G GPUs; print it."""
     _check_shape(args.nodes, args.gpus_per_node)
     ntasks = _tasks_per_node(args.gpus_per_node, args.ntasks_per_node)
-    _check_time(args.time)
+    _check_time(args.time, args.signal_before)
     _check_name("--job-name", args.job_name, _SLURM_NAME, "letters, digits, '.', '_' and '-'")
-    if not 0 < args.signal_before <= 65535:
-        raise UserError(
-            f"--signal-before must be 1..65535 seconds, got {args.signal_before}",
-            "use e.g. --signal-before 120",
-        )
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise UserError(
             f"--cpus-per-task must be at least 1, got {args.cpus_per_task}", "use e.g. --cpus-per-task 8"
@@ -195,7 +239,8 @@ def slurm_command(cfg: Config, args) -> int:
     script = Path(args.script or Path(cfg.out_dir) / "slurm" / f"{args.job_name}.sbatch").absolute()
     if script.is_dir():
         raise UserError(f"--script '{script}' is a folder", "name a file, e.g. --script job.sbatch")
-    log = Path(args.output or script.parent / "%x-%j.out").absolute()
+    # sbatch expands %-patterns in log names: a % of the folder itself must be written %%
+    log = Path(args.output or str(script.parent).replace("%", "%%") + "/%x-%j.out").absolute()
     config_path = script.with_suffix(".yaml")
     text = sbatch_script(
         cfg,
@@ -210,7 +255,7 @@ def slurm_command(cfg: Config, args) -> int:
         time_limit=args.time,
         signal_before=args.signal_before,
     )
-    for folder in {script.parent, log.parent}:
+    for folder in {script.parent, Path(args.output or script).absolute().parent}:
         folder.mkdir(parents=True, exist_ok=True)
     config_path.write_text(to_yaml(cfg), encoding="utf-8")
     script.write_text(text, encoding="utf-8")
