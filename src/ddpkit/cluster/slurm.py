@@ -1,86 +1,48 @@
-"""`ddpkit slurm` and `ddpkit k8s`: the same training config as `ddpkit train`, as an sbatch script or a PyTorchJob.
-
-Both are local commands: they write or print a job description (and `slurm --submit` hands it to sbatch); the
-job itself then runs `python -m ddpkit train` on every node, which joins the launcher like any other run.
-"""
+"""`ddpkit slurm`: an sbatch script that trains on N nodes x T tasks, one Slurm task per rank, requeued at its
+time limit; written (and with --submit, submitted) with the same config as `ddpkit train`."""
 
 from __future__ import annotations
 
-import copy
-import json
-import posixpath
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from ddpkit.config import Config, to_dict, to_yaml
+from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
+from ddpkit.config import Config, to_yaml
 from ddpkit.errors import Preempted, UserError
 
-DEFAULT_NAME = "ddpkit"
-K8S_PORT = 23456  # the Training Operator's default MASTER_PORT (container port `pytorchjob-port`)
-K8S_WORKDIR = "/workspace"
 _TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
-_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def add_flags(parser) -> None:
-    """The job-shape flags of `ddpkit slurm` / `ddpkit k8s` (the parser's prog says which)."""
+    """`ddpkit slurm`'s flags."""
     g = parser.add_argument_group("job")
-    g.add_argument("--nodes", type=int, default=1, metavar="N", help="number of nodes (pods)")
-    g.add_argument("--gpus-per-node", type=int, default=1, metavar="G", help="GPUs per node; one rank each")
-    if parser.prog.endswith("slurm"):
-        g.add_argument(
-            "--ntasks-per-node", type=int, metavar="T", help="ranks per node (default: G, or 1 without GPUs)"
-        )
-        g.add_argument("--cpus-per-task", type=int, metavar="C", help="CPU cores per rank (data loading)")
-        g.add_argument("--partition", metavar="P", help="Slurm partition")
-        g.add_argument("--time", metavar="HH:MM:SS", help="time limit, [D-]HH:MM:SS")
-        g.add_argument(
-            "--job-name", default=DEFAULT_NAME, metavar="NAME", help="Slurm job name (%%x in log names)"
-        )
-        g.add_argument(
-            "--signal-before",
-            type=int,
-            default=120,
-            metavar="S",
-            help="SIGUSR1 S seconds before the time limit",
-        )
-        g.add_argument(
-            "--output", metavar="FILE", help="stdout log pattern (default: OUT_DIR/slurm/%%x-%%j.out)"
-        )
-        g.add_argument(
-            "--script", metavar="FILE", help="where to write the script (default: OUT_DIR/slurm/NAME.sbatch)"
-        )
-        g.add_argument(
-            "--submit", action="store_true", help="submit the script with sbatch and print the job id"
-        )
-    else:
-        g.add_argument(
-            "--image", default="ddpkit:latest", metavar="IMAGE", help="container image with ddpkit installed"
-        )
-        g.add_argument("--name", default=DEFAULT_NAME, metavar="NAME", help="PyTorchJob name")
-        g.add_argument(
-            "--pvc", default="ddpkit-runs", metavar="CLAIM", help="PersistentVolumeClaim holding out_dir"
-        )
-
-
-def _check_shape(nodes: int, gpus: int) -> None:
-    if nodes < 1:
-        raise UserError(f"--nodes must be at least 1, got {nodes}", "use e.g. --nodes 2")
-    if gpus < 0:
-        raise UserError(
-            f"--gpus-per-node must be 0 or more, got {gpus}", "use e.g. --gpus-per-node 8 (0 for CPU nodes)"
-        )
-
-
-def _check_name(flag: str, name: str, pattern: re.Pattern[str], allowed: str) -> None:
-    if not pattern.fullmatch(name):
-        raise UserError(f"{flag} '{name}' is not a valid name", f"use {allowed}")
+    add_shape_flags(g)
+    g.add_argument(
+        "--ntasks-per-node", type=int, metavar="T", help="ranks per node (default: G, or 1 without GPUs)"
+    )
+    g.add_argument("--cpus-per-task", type=int, metavar="C", help="CPU cores per rank (data loading)")
+    g.add_argument("--partition", metavar="P", help="Slurm partition")
+    g.add_argument("--time", metavar="HH:MM:SS", help="time limit, [D-]HH:MM:SS")
+    g.add_argument(
+        "--job-name", default=DEFAULT_NAME, metavar="NAME", help="Slurm job name (%%x in log names)"
+    )
+    g.add_argument(
+        "--signal-before",
+        type=int,
+        default=120,
+        metavar="S",
+        help="SIGUSR1 S seconds before the time limit",
+    )
+    g.add_argument("--output", metavar="FILE", help="stdout log pattern (default: OUT_DIR/slurm/%%x-%%j.out)")
+    g.add_argument(
+        "--script", metavar="FILE", help="where to write the script (default: OUT_DIR/slurm/NAME.sbatch)"
+    )
+    g.add_argument("--submit", action="store_true", help="submit the script with sbatch and print the job id")
 
 
 def _check_time(limit: str | None, signal_before: int) -> None:
@@ -109,7 +71,9 @@ def directive(value: str) -> str:
     """A #SBATCH value as sbatch's directive parser reads it: in double quotes (with \\ and \" escaped) when it
     holds white space, a quote, a backslash or a '#' (which would start a comment)."""
     if "\n" in value or "\r" in value:
-        raise UserError(f"{value!r} cannot be an sbatch directive: it holds a line break", "choose another path")
+        raise UserError(
+            f"{value!r} cannot be an sbatch directive: it holds a line break", "choose another path"
+        )
     if re.search(r"[\s\"'\\#]", value):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return value
@@ -228,10 +192,10 @@ def _submit(script: Path) -> str:
 
 def slurm_command(cfg: Config, args) -> int:
     """Write (and with --submit, submit) the sbatch script for N nodes x G GPUs; print it."""
-    _check_shape(args.nodes, args.gpus_per_node)
+    check_shape(args.nodes, args.gpus_per_node)
     ntasks = _tasks_per_node(args.gpus_per_node, args.ntasks_per_node)
     _check_time(args.time, args.signal_before)
-    _check_name("--job-name", args.job_name, _SLURM_NAME, "letters, digits, '.', '_' and '-'")
+    check_name("--job-name", args.job_name, _SLURM_NAME, "letters, digits, '.', '_' and '-'")
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise UserError(
             f"--cpus-per-task must be at least 1, got {args.cpus_per_task}", "use e.g. --cpus-per-task 8"
@@ -264,107 +228,4 @@ def slurm_command(cfg: Config, args) -> int:
     print(f"# wrote {script} and {config_path}", flush=True)
     if args.submit:
         print(f"Submitted batch job {_submit(script)}", flush=True)
-    return 0
-
-
-def _overrides(cfg: Config) -> list[str]:
-    """KEY=VALUE for every setting that differs from the defaults (so the pod needs no config file)."""
-    import yaml
-
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    defaults, values = flat(to_dict(Config())), flat(to_dict(cfg))
-    items = []
-    for key, value in values.items():
-        if value != defaults[key]:
-            plain = isinstance(value, str) and value != "" and yaml.safe_load(value) == value
-            items.append(f"{key}={value if plain else json.dumps(value)}")
-    return items
-
-
-def pytorchjob_manifest(
-    cfg: Config, *, nodes: int, gpus: int, image: str, name: str, pvc: str
-) -> dict[str, Any]:
-    """A Kubeflow PyTorchJob: one Master pod and N-1 Worker pods, each running G ranks of `ddpkit train`."""
-    nproc = max(gpus, 1)
-    train = ["python", "-m", "ddpkit", "train", *_overrides(cfg), "--nproc-per-node", str(nproc)]
-    # The Training Operator sets RANK = pod index and WORLD_SIZE = pods; ddpkit starts G workers per pod from them.
-    launch = f'--nnodes {nodes} --node-rank "$RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"'
-    command = ["/bin/sh", "-c", f"exec {shlex.join(train)} {launch}"]
-    run_dir = posixpath.normpath(
-        posixpath.join(K8S_WORKDIR, posixpath.dirname(posixpath.normpath(cfg.out_dir)))
-    )
-    container: dict[str, Any] = {
-        "name": "pytorch",  # the Training Operator finds the training container by this name
-        "image": image,
-        "workingDir": K8S_WORKDIR,
-        "command": command,
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-        "ports": [{"name": "pytorchjob-port", "containerPort": K8S_PORT}],
-        "volumeMounts": [{"name": "runs", "mountPath": run_dir}, {"name": "dshm", "mountPath": "/dev/shm"}],
-    }
-    if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
-    volumes = [
-        {"name": "runs", "persistentVolumeClaim": {"claimName": pvc}},
-        {
-            "name": "dshm",
-            "emptyDir": {"medium": "Memory"},
-        },  # data-loader workers share batches through /dev/shm
-    ]
-
-    def replica(count: int) -> dict[str, Any]:  # each replica its own copy, so YAML shows no anchors
-        return copy.deepcopy(
-            {
-                "replicas": count,
-                "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [container], "volumes": volumes}},
-            }
-        )
-
-    specs = {"Master": replica(1)}
-    if nodes > 1:
-        specs["Worker"] = replica(nodes - 1)
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name},
-        "spec": {"pytorchReplicaSpecs": specs},
-    }
-
-
-def k8s_command(cfg: Config, args) -> int:
-    """Print a Kubeflow PyTorchJob manifest for N pods x G GPUs."""
-    import yaml
-
-    _check_shape(args.nodes, args.gpus_per_node)
-    _check_name(
-        "--name",
-        args.name,
-        _K8S_NAME,
-        "lower-case letters, digits and '-' (at most 63), e.g. --name digits-ddp",
-    )
-    _check_name(
-        "--pvc", args.pvc, _K8S_NAME, "the name of an existing PersistentVolumeClaim, e.g. --pvc ddpkit-runs"
-    )
-    if not args.image.strip() or any(c.isspace() for c in args.image):
-        raise UserError(
-            f"--image '{args.image}' is not an image reference",
-            "use e.g. --image registry.example.com/ddpkit:0.1",
-        )
-    manifest = pytorchjob_manifest(
-        cfg, nodes=args.nodes, gpus=args.gpus_per_node, image=args.image, name=args.name, pvc=args.pvc
-    )
-    ranks = args.nodes * max(args.gpus_per_node, 1)
-    print(
-        f"# Written by `ddpkit k8s`: {args.nodes} pod(s) x {max(args.gpus_per_node, 1)} rank(s) = {ranks} rank(s).\n"
-        f"# Needs the Kubeflow Training Operator and a ReadWriteMany PersistentVolumeClaim '{args.pvc}'.\n"
-        "# Apply with: kubectl apply -f FILE",
-        flush=True,
-    )
-    print(yaml.safe_dump(manifest, sort_keys=False, width=1 << 16), end="", flush=True)
     return 0
