@@ -1,6 +1,6 @@
 """Session fixtures that install and start the real things: two "hosts" (network namespaces, each with its own
-host name, address and /etc/hosts, joined through a bridge on this host), a two-node Slurm cluster whose slurmd
-daemons live in those namespaces, and Open MPI.
+host name, address and /etc/hosts, joined through a bridge on this host; built in infra.py), a two-node Slurm
+cluster whose slurmd daemons live in those namespaces, and Open MPI.
 
 Missing Debian packages are installed with apt-get (as root). Everything started here is stopped, and every
 temporary file removed, when the session ends, also on SIGINT, SIGTERM or SIGHUP; what a killed session left
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -30,7 +29,7 @@ from conftest import cli_env
 from ddpkit.distributed.launch import free_port
 
 from .helpers import PY, tail
-from .infra import Session, sweep
+from .infra import NetnsPair, NetworkUnavailable, Session, make_pair, sweep
 
 SBIN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -109,122 +108,21 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 # ---------------------------------------------------------------------------------------------- namespaces
 
 
-@dataclass(frozen=True)
-class NetnsPair:
-    """Two network namespaces, each a "host" with its own address on one bridge of this host.
-
-    Inside node i the link is `ifname` with `addrs[i]`; its host name is `hosts[i]`, which its /etc/hosts maps
-    to 127.0.1.1 (the Debian default that makes gloo advertise a loopback address) while the other node's name
-    maps to that node's address. `peers[i]` is the link's end on this host: down cuts node i off.
-    """
-
-    names: tuple[str, str]
-    addrs: tuple[str, str]
-    peers: tuple[str, str]
-    host_addr: str  # this host's address on the bridge (the Slurm controller listens there)
-    spare: str  # an address on the link that nobody has
-    etc_hosts: tuple[str, str]  # the nodes' /etc/hosts
-    hosts: tuple[str, str] = ("nodea", "nodeb")
-    ifname: str = "ddpk0"
-
-    def argv(self, node: int, *command: str) -> list[str]:
-        """`command` on node 0 or 1: in its network namespace, with its /etc/hosts (a bind mount in a mount
-        namespace of its own) and its own host name (a UTS namespace of its own)."""
-        setup = f'mount --bind {self.etc_hosts[node]} /etc/hosts && hostname {self.hosts[node]} && exec "$@"'
-        netns = f"--net=/run/netns/{self.names[node]}"
-        return ["nsenter", netns, "unshare", "--mount", "--uts", "sh", "-c", setup, "sh", *command]
-
-    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """cli_env: no launcher variables, and no GLOO/NCCL_SOCKET_IFNAME unless `extra` sets them."""
-        env = cli_env(extra)
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DDPKIT_IFACE_CHOSEN"):
-            if name not in (extra or {}):
-                env.pop(name, None)
-        return env
-
-    def ddpkit(self, node: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start `python -m ddpkit ARGS` on a node, in its own session (so a test can kill the whole node)."""
-        argv = self.argv(node, PY, "-m", "ddpkit", *args)
-        return subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=self.env(env),
-            start_new_session=True,
-        )
-
-    def link(self, node: int, up: bool) -> None:
-        """Plug node i's cable in or out (its end on this host's bridge)."""
-        proc = _ip("link", "set", self.peers[node], "up" if up else "down")
-        assert proc.returncode == 0, proc.stderr
-
-
-def _free_subnet() -> int:
-    used = _ip("-o", "-4", "addr").stdout
-    for n in random.sample(range(1, 255), 254):
-        if f" 10.77.{n}." not in used:
-            return n
-    pytest.skip("no free 10.77.N.0/24 subnet on this host")
-
-
-def hosts_file(own: str, others: dict[str, str]) -> str:
-    """An /etc/hosts in the Debian style: own name on 127.0.1.1, the others on their addresses."""
-    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback", f"127.0.1.1 {own}"]
-    return "\n".join(lines + [f"{addr} {name}" for name, addr in others.items()]) + "\n"
-
-
 @pytest.fixture(scope="session")
-def netns(system_session: Session) -> Iterator[NetnsPair]:
+def netns(system_session: Session) -> NetnsPair:
     """Two namespaces on a bridge of this host (10.77.N.1, .2; the host is .254), lo up in each."""
     ensure_installed("ip", ["iproute2"])
     if _which("unshare") is None or _which("nsenter") is None:
         pytest.skip("`unshare`/`nsenter` (util-linux) missing: cannot give each namespace its own host name")
-    s, n, tag = system_session, _free_subnet(), system_session.tag
-    pair = NetnsPair(
-        names=(f"ddpkA-{tag}", f"ddpkB-{tag}"),
-        addrs=(f"10.77.{n}.1", f"10.77.{n}.2"),
-        peers=(f"ddpkA{tag}", f"ddpkB{tag}"),
-        host_addr=f"10.77.{n}.254",
-        spare=f"10.77.{n}.9",
-        etc_hosts=(str(s.dir / "hosts-a"), str(s.dir / "hosts-b")),
-    )
-    bridge = f"ddpkbr{tag}"
-    s.record("link", bridge)
-    for step in (
-        ["link", "add", bridge, "type", "bridge"],
-        ["addr", "add", f"{pair.host_addr}/24", "dev", bridge],
-        ["link", "set", bridge, "up"],
-    ):
-        proc = _ip(*step)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot make a bridge here (ip {' '.join(step)}): {proc.stderr.strip()}")
-    controller = {socket.gethostname(): pair.host_addr}
-    for i, (name, addr, peer) in enumerate(zip(pair.names, pair.addrs, pair.peers, strict=True)):
-        s.record("netns", name)
-        proc = _ip("netns", "add", name)
-        if proc.returncode != 0:
-            pytest.skip(f"`ip netns add` is not permitted here: {proc.stderr.strip()}")
-        others = {pair.hosts[1 - i]: pair.addrs[1 - i], **controller}
-        Path(pair.etc_hosts[i]).write_text(hosts_file(pair.hosts[i], others))
-        s.record("link", peer)
-        for step in (
-            ["link", "add", peer, "type", "veth", "peer", "name", pair.ifname, "netns", name],
-            ["link", "set", peer, "master", bridge, "up"],
-            ["-n", name, "addr", "add", f"{addr}/24", "dev", pair.ifname],
-            ["-n", name, "link", "set", pair.ifname, "up"],
-            ["-n", name, "link", "set", "lo", "up"],
-        ):
-            proc = _ip(*step)
-            assert proc.returncode == 0, f"ip {' '.join(step)}: {proc.stderr}"
-    yield pair  # the session's cleanup removes the namespaces, links and hosts files
+    try:
+        return make_pair(
+            system_session
+        )  # the session's cleanup removes the namespaces, links and hosts files
+    except NetworkUnavailable as e:
+        pytest.skip(str(e))
 
 
 # ---------------------------------------------------------------------------------------------- Slurm
