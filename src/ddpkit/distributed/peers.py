@@ -2,7 +2,8 @@
 
 Two things torch's agent does not say by itself on a multi-node c10d job:
 - which node went missing: its rendezvous only logs, at debug level, the nodes it drops for lack of keep-alives;
-  `watch()` collects those names and `name_lost_nodes()` adds them to the rendezvous time-out error;
+  `watch()` collects those names and `name_lost_nodes()` turns the rendezvous time-out into a failure that
+  names them (exit 1: a node was lost, not a mistake in the command);
 - that it is stuck: across a network partition a call to the rendezvous store blocks until TCP gives up (about
   15 minutes), long after this node's workers have failed. `watch()` starts a thread that, once no worker of
   this agent is alive and the store has not answered a connection for STORE_SILENCE_S, prints one line naming
@@ -20,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, WorkerFailure
 
 RDZV_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 STORE_SILENCE_S = 10.0  # no worker alive and no answer from the store for this long: the agent is stuck
@@ -113,13 +114,14 @@ def watch(endpoint: str, nnodes: int) -> None:
 
 
 def name_lost_nodes(err: Exception) -> Exception:
-    """A rendezvous time-out UserError with the nodes that left the job named in it; anything else unchanged."""
+    """A rendezvous time-out after nodes left the job -> a WorkerFailure (exit 1, not a user error) naming them;
+    anything else unchanged."""
     if not isinstance(err, UserError) or "joined the rendezvous" not in err.what or not _LOST.lost:
         return err
     lost = ", ".join(
         f"{host} (its launcher, pid {pid}, stopped answering)" for host, pid in _LOST.lost.items()
     )
-    return UserError(
-        f"{err.what}; lost: {lost}",
-        f"restart the launcher on {', '.join(_LOST.lost)} with the same command, or {err.hint}",
+    return WorkerFailure(
+        f"{err.what}; lost: {lost} (restart the launcher on {', '.join(_LOST.lost)} with the same command, "
+        "and training resumes from the last checkpoint)"
     )
