@@ -248,19 +248,13 @@ def stop_trials(tmp: Path, timeouts: list[int]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------ two nodes
 
-# A small synthetic run (12 epochs of 8 steps on 2 ranks), a checkpoint every 4 steps.
-NODE_TRAIN = [
-    "data.dataset=synthetic",
-    "data.synthetic_size=256",
-    "data.synthetic_val_size=64",
-    "model.arch=mlp",
-    "train.batch_size=16",
-    "seed=7",
-    "train.epochs=12",
-    "train.log_every=1",
-    "checkpoint.every_steps=4",
-]
+# The system tests' small synthetic run, 12 epochs of 8 steps on 2 ranks, a checkpoint every 4 steps.
+NODE_TRAIN_EXTRA = ["train.epochs=12", "train.log_every=1", "checkpoint.every_steps=4"]
 NODE_CASES = ("node dies, replaced", "node dies", "partition", "blip")
+
+
+def node_train(helpers) -> list[str]:
+    return [*(t for t in helpers.TRAIN if not t.startswith("train.epochs=")), *NODE_TRAIN_EXTRA]
 
 
 def _ended(runs: list[Run], limit: float) -> list[float]:
@@ -275,14 +269,21 @@ def _ended(runs: list[Run], limit: float) -> list[float]:
     return [ends.get(i, float("nan")) for i in range(len(runs))]
 
 
-def node_case(
-    pair, out: Path, case: str, port: int, timeout_s: int, rdzv_s: int, reference, kill_tree
-) -> dict:
+def node_case(pair, out: Path, case: str, port: int, timeout_s: int, rdzv_s: int, reference, helpers) -> dict:
     """One failure of a 2 nodes x 1 worker c10d job; the times from the failure, in seconds."""
-    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{pair.addrs[0]}:{port}"]
-    launch += ["--rdzv-id", f"bench-{port}", "--rdzv-timeout", str(rdzv_s)]
-    launch += ["--max-restarts", "2" if case.startswith("node dies") else "0"]
-    train = [python(), "-m", "ddpkit", "train", *NODE_TRAIN, f"dist.timeout_s={timeout_s}", f"out_dir={out}"]
+    restarts = "2" if case.startswith("node dies") else "0"
+    launch = helpers.c10d(
+        pair.addrs[0], port, f"bench-{port}", 1, "--rdzv-timeout", str(rdzv_s), "--max-restarts", restarts
+    )
+    train = [
+        python(),
+        "-m",
+        "ddpkit",
+        "train",
+        *node_train(helpers),
+        f"dist.timeout_s={timeout_s}",
+        f"out_dir={out}",
+    ]
 
     def start(node: int) -> Run:
         return Run(out, argv=pair.argv(node, *train, *launch), env=pair.env())
@@ -294,7 +295,7 @@ def node_case(
     row: dict[str, Any] = {"case": case}
     since = lambda at: round(at - t, 1) if at is not None else None  # noqa: E731
     if case.startswith("node dies"):
-        kill_tree(b.proc.pid)  # node 1 dies: its launcher and its worker at once
+        helpers.kill_tree(b.proc.pid)  # node 1 dies: its launcher and its worker at once
         b.wait(30)
         if case.endswith("replaced"):
             time.sleep(1)
@@ -332,7 +333,7 @@ def node_case(
 def node_trials(tmp: Path, trials: int, timeout_s: int, rdzv_s: int) -> list[dict[str, Any]]:
     """Every NODE_CASES on two network namespaces joined by a bridge (needs root), `trials` times."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from system.helpers import kill_tree
+    from system import helpers
     from system.infra import Session, make_pair, sweep
 
     sweep()
@@ -345,7 +346,7 @@ def node_trials(tmp: Path, trials: int, timeout_s: int, rdzv_s: int) -> list[dic
             "-m",
             "ddpkit",
             "train",
-            *NODE_TRAIN,
+            *node_train(helpers),
             f"out_dir={ref_dir}",
             "--nproc-per-node",
             "2",
@@ -359,7 +360,7 @@ def node_trials(tmp: Path, trials: int, timeout_s: int, rdzv_s: int) -> list[dic
                 port += 1
                 row = {
                     "trial": trial,
-                    **node_case(pair, tmp / f"n{port}", case, port, timeout_s, rdzv_s, reference, kill_tree),
+                    **node_case(pair, tmp / f"n{port}", case, port, timeout_s, rdzv_s, reference, helpers),
                 }
                 print(f"  {row}", flush=True)
                 rows.append(row)

@@ -29,6 +29,21 @@ TRAIN = [
 INFO = re.compile(r"^rank=\d+ .*$", re.M)
 
 
+def c10d(addr: str, port: int, rdzv_id: str, nproc: int = 1, *extra: str) -> list[str]:
+    """Launch flags of a 2-node c10d rendezvous at ADDR:PORT."""
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-endpoint",
+        f"{addr}:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        *extra,
+    ]
+
+
 def tail(text: str, chars: int = 3000) -> str:
     """The end of a long output, for assertion messages."""
     return text if len(text) <= chars else "..." + text[-chars:]

@@ -12,7 +12,7 @@ import torch
 
 from conftest import assert_user_error, run_cli
 
-from .helpers import PY, TRAIN, assert_trained, final_weights, finish, ok, rank_lines
+from .helpers import PY, TRAIN, assert_trained, c10d, final_weights, finish, ok, rank_lines
 
 pytestmark = pytest.mark.system
 
@@ -76,16 +76,7 @@ def test_an_interface_name_that_does_not_exist_is_one_line(netns):
 
 
 def test_two_nodes_c10d_rendezvous_node1_starts_first(netns):
-    flags = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-endpoint",
-        f"{netns.addrs[0]}:29421",
-        "--rdzv-id",
-        "sys-c10d",
-    ]
+    flags = c10d(netns.addrs[0], 29421, "sys-c10d", 2)
     node1 = netns.ddpkit(1, "info", *flags)
     time.sleep(3)  # node 1 waits for the rendezvous endpoint that node 0 has not opened yet
     assert node1.poll() is None, node1.communicate()
@@ -107,16 +98,7 @@ def test_a_node_that_never_arrives_fails_clearly_after_the_rdzv_timeout(netns, r
     if rendezvous == "static":
         flags = [*static(netns, port, nproc=1), "--node-rank", "0"]
     else:
-        flags = [
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-endpoint",
-            f"{netns.addrs[0]}:{port}",
-            "--rdzv-id",
-            "gone",
-        ]
+        flags = c10d(netns.addrs[0], port, "gone")
     start = time.monotonic()
     (proc,) = finish([netns.ddpkit(0, "info", *flags, "--rdzv-timeout", "5")], timeout=120)
     elapsed = time.monotonic() - start

@@ -17,6 +17,7 @@ import torch
 from conftest import run_cli
 
 from .helpers import TRAIN, Timed, final_weights, kill_tree, metrics, ok
+from .helpers import c10d as c10d_flags
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -40,20 +41,8 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 def c10d(netns, port: int, restarts: int, rdzv_timeout: int = 20) -> list[str]:
-    return [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-endpoint",
-        f"{netns.addrs[0]}:{port}",
-        "--rdzv-id",
-        f"faults-{port}",
-        "--rdzv-timeout",
-        str(rdzv_timeout),
-        "--max-restarts",
-        str(restarts),
-    ]
+    extra = ["--rdzv-timeout", str(rdzv_timeout), "--max-restarts", str(restarts)]
+    return c10d_flags(netns.addrs[0], port, f"faults-{port}", 1, *extra)
 
 
 def start(netns, node: int, out: Path, launch: list[str], t0: float) -> Timed:
