@@ -32,6 +32,7 @@ from .helpers import PY, tail
 from .infra import NetnsPair, NetworkUnavailable, Session, make_pair, sweep
 
 SBIN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+REQUEUE_SETTLE_S = 5.0  # how long a requeued job stays held before the tests let it start again
 
 
 def _which(command: str) -> str | None:
@@ -168,14 +169,18 @@ class Slurm:
         """Poll until the job has ended; its final state.
 
         A requeued batch job waits about two minutes before it may start again (Slurm's BeginTime for requeued
-        jobs); like an administrator, this lifts that wait (StartTime=now) so that the tests need not sit it out.
+        jobs); like an administrator, this lifts that wait (StartTime=now) so that the tests need not sit it out,
+        but only after REQUEUE_SETTLE_S: a slurmd asked to start the job again within a second of killing its
+        previous run refuses ("Job N already killed, do not launch batch job") and the job ends FAILED.
         """
         deadline = time.monotonic() + timeout
-        state = "UNKNOWN"
+        state, held_since = "UNKNOWN", None
         while time.monotonic() < deadline:
             job = self.job(job_id)
             state = job.get("JobState", "UNKNOWN")
-            if state == "PENDING" and job.get("Reason") == "BeginTime":
+            held = state == "PENDING" and job.get("Reason") == "BeginTime"
+            held_since = (held_since or time.monotonic()) if held else None
+            if held_since and time.monotonic() - held_since >= REQUEUE_SETTLE_S:
                 self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=30)
             if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "UNKNOWN"):
                 return state
