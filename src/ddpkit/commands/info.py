@@ -8,7 +8,7 @@ from ddpkit.distributed.runtime import DistContext, hostname
 
 
 def rank_line(ctx: DistContext) -> str:
-    """This rank's line: rank, local_rank, world_size, host, backend, device (+ launcher, node, network interface and address)."""
+    """This rank's line: who it is, where it runs, and the interface and address its process group uses."""
     e = ctx.env
     return (
         f"rank={e.rank} local_rank={e.local_rank} world_size={e.world_size} host={hostname()} "
