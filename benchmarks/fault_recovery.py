@@ -17,8 +17,16 @@ Part 2, a rank that stops (SIGSTOP, as a hung or swapped-out process) or dies wi
 --max-restarts 0): the time from the signal until the first `ddpkit: error:` line and until the job has
 exited non-zero, for several `dist.timeout_s`, and the error line that names the rank.
 
-    python benchmarks/fault_recovery.py                       # 5 kill trials, timeouts 10 and 30 s
+Part 3, two nodes (root: two network namespaces on a bridge, as the system tests build them), 2 nodes x 1
+worker on a c10d rendezvous: node 1 dies (launcher and worker SIGKILLed) and is replaced, or is not; node 1's
+link is down until both nodes have ended (a partition); node 1's link is down for 0.7 s (a blip). For each:
+the seconds from the failure until it is noticed (the first error line), reported (the line that names the lost
+node or peer), recovered (resumed) and until each node's launcher exits; and whether the run ends equal to an
+unbroken one.
+
+    python benchmarks/fault_recovery.py                       # 5 kill trials, timeouts 10 and 30 s, 3 node trials
     python benchmarks/fault_recovery.py --trials 10 --every-steps 20 --json out.json
+    python benchmarks/fault_recovery.py --parts nodes --node-trials 3
 """
 
 from __future__ import annotations
@@ -55,13 +63,19 @@ RESUMED = re.compile(r"resumed from .*step (\d+)\)")
 
 
 class Run:
-    """`ddpkit train` in its own session; every output line kept with its time since launch."""
+    """`ddpkit train` in its own session; every output line kept with its time since launch.
 
-    def __init__(self, out_dir: Path, *args: str):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    `argv` replaces `python -m ddpkit train out_dir=... TRAIN` (e.g. the same on a namespace "node"); `env`
+    replaces this process's environment.
+    """
+
+    def __init__(
+        self, out_dir: Path, *args: str, argv: list[str] | None = None, env: dict[str, str] | None = None
+    ):
+        env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [python(), "-m", "ddpkit", "train", f"out_dir={out_dir}", *TRAIN, *args],
+            argv or [python(), "-m", "ddpkit", "train", f"out_dir={out_dir}", *TRAIN, *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -118,6 +132,10 @@ class Run:
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
+
+    def at(self, fragment: str) -> float | None:
+        """The perf_counter() time of the first output line containing `fragment`."""
+        return next((self.t0 + t for t, line in list(self.lines) if fragment in line), None)
 
 
 def _is_ddpkit(pid: int) -> bool:
@@ -228,6 +246,144 @@ def stop_trials(tmp: Path, timeouts: list[int]) -> list[dict[str, Any]]:
     return results
 
 
+# ------------------------------------------------------------------------------------------------ two nodes
+
+# The system tests' small synthetic run, 12 epochs of 8 steps on 2 ranks, a checkpoint every 4 steps.
+NODE_TRAIN_EXTRA = ["train.epochs=12", "train.log_every=1", "checkpoint.every_steps=4"]
+NODE_CASES = ("node dies, replaced", "node dies", "partition", "blip")
+
+
+def node_train(helpers) -> list[str]:
+    return [*(t for t in helpers.TRAIN if not t.startswith("train.epochs=")), *NODE_TRAIN_EXTRA]
+
+
+def _ended(runs: list[Run], limit: float) -> list[float]:
+    """Poll until every run has exited (or `limit` s passed); the perf_counter() time each one ended."""
+    ends: dict[int, float] = {}
+    deadline = time.perf_counter() + limit
+    while len(ends) < len(runs) and time.perf_counter() < deadline:
+        for i, r in enumerate(runs):
+            if i not in ends and r.proc.poll() is not None:
+                ends[i] = time.perf_counter()
+        time.sleep(0.05)
+    return [ends.get(i, float("nan")) for i in range(len(runs))]
+
+
+def node_case(pair, out: Path, case: str, port: int, timeout_s: int, rdzv_s: int, reference, helpers) -> dict:
+    """One failure of a 2 nodes x 1 worker c10d job; the times from the failure, in seconds."""
+    restarts = "2" if case.startswith("node dies") else "0"
+    launch = helpers.c10d(
+        pair.addrs[0], port, f"bench-{port}", 1, "--rdzv-timeout", str(rdzv_s), "--max-restarts", restarts
+    )
+    train = [
+        python(),
+        "-m",
+        "ddpkit",
+        "train",
+        *node_train(helpers),
+        f"dist.timeout_s={timeout_s}",
+        f"out_dir={out}",
+    ]
+
+    def start(node: int) -> Run:
+        return Run(out, argv=pair.argv(node, *train, *launch), env=pair.env())
+
+    a, b = start(0), start(1)
+    log = out / "log.txt"
+    wait_until(lambda: (out / "checkpoints" / "last.pt").exists() and "[2/12]" in log.read_text(), a)
+    t = time.perf_counter()
+    row: dict[str, Any] = {"case": case}
+    since = lambda at: round(at - t, 1) if at is not None else None  # noqa: E731
+    if case.startswith("node dies"):
+        helpers.kill_tree(b.proc.pid)  # node 1 dies: its launcher and its worker at once
+        b.wait(30)
+        if case.endswith("replaced"):
+            time.sleep(1)
+            b = start(1)
+        end_a, end_b = _ended([a, b], 300)
+        row.update(noticed_s=since(a.at("ddpkit: error: rank 0")), node0_exit_s=since(end_a))
+        if case.endswith("replaced"):
+            row.update(resumed_s=since(a.at("resumed from")))
+        else:
+            last = a.at("joined the rendezvous")
+            row.update(reported_s=since(last), names_node=pair.hosts[1] in (a.text() if last else ""))
+    elif case == "partition":
+        pair.link(1, up=False)
+        end_a, end_b = _ended([a, b], timeout_s + 120)
+        pair.link(1, up=True)
+        row.update(
+            node0_error_s=since(a.at("ddpkit: error: rank 0")),
+            node0_exit_s=since(end_a),
+            node1_error_s=since(b.at("ddpkit: error: rank 1")),
+            node1_exit_s=since(end_b),
+            names_peers=f"rank 1 on {pair.hosts[1]}" in a.text() and pair.hosts[0] in b.text(),
+        )
+    else:  # blip
+        pair.link(1, up=False)
+        time.sleep(0.7)
+        pair.link(1, up=True)
+        _ended([a, b], 300)
+    codes = (a.wait(60), b.wait(60))
+    row["exits"] = f"{codes[0]}/{codes[1]}"
+    if case in ("node dies, replaced", "blip"):
+        row["equals_reference"] = codes == (0, 0) and same_run(reference, final(out))
+    return row
+
+
+def node_trials(tmp: Path, trials: int, timeout_s: int, rdzv_s: int) -> list[dict[str, Any]]:
+    """Every NODE_CASES on two network namespaces joined by a bridge (needs root), `trials` times."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from system import helpers
+    from system.infra import Session, make_pair, sweep
+
+    sweep()
+    session = Session.create()
+    try:
+        pair = make_pair(session)
+        ref_dir = tmp / "node-reference"
+        train = [
+            python(),
+            "-m",
+            "ddpkit",
+            "train",
+            *node_train(helpers),
+            f"out_dir={ref_dir}",
+            "--nproc-per-node",
+            "2",
+        ]
+        if Run(ref_dir, argv=train).wait(600) != 0:
+            raise SystemExit("the 2-process reference run failed")
+        reference = final(ref_dir)
+        rows, port = [], 29600
+        for trial in range(trials):
+            for case in NODE_CASES:
+                port += 1
+                row = {
+                    "trial": trial,
+                    **node_case(pair, tmp / f"n{port}", case, port, timeout_s, rdzv_s, reference, helpers),
+                }
+                print(f"  {row}", flush=True)
+                rows.append(row)
+        return rows
+    finally:
+        session.cleanup()
+
+
+def print_nodes(rows: list[dict[str, Any]], timeout_s: int, rdzv_s: int) -> None:
+    print(
+        f"\n### Two nodes x 1 worker, c10d, dist.timeout_s={timeout_s}, --rdzv-timeout {rdzv_s} (seconds after the failure)\n"
+    )
+    for case in NODE_CASES:
+        mine = [r for r in rows if r["case"] == case]
+        cols = [c for c in mine[0] if c != "case"] if mine else []
+        print(f"{case}:\n")
+        print(md_table(cols, [[r.get(c) for c in cols] for r in mine]) + "\n")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=5)
@@ -235,12 +391,35 @@ def main() -> int:
     p.add_argument("--timeouts", type=int, nargs="+", default=[10, 30])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["workers", "nodes"],
+        default=["workers", "nodes"],
+        help="what to measure",
+    )
+    p.add_argument("--node-trials", type=int, default=3, help="trials of every two-node case (needs root)")
+    p.add_argument("--node-timeout", type=int, default=10, help="dist.timeout_s of the two-node runs")
+    p.add_argument("--rdzv-timeout", type=int, default=20, help="--rdzv-timeout of the two-node runs")
     args = p.parse_args()
     m = machine()
     print(f"fault recovery: {machine_line(m)}", flush=True)
+    ref_wall, kills, stops, nodes = 0.0, [], [], []
+    signal.signal(
+        signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())
+    )  # clean up namespaces
     with tempfile.TemporaryDirectory(prefix="ddpkit-faults-") as tmp:
-        ref_wall, kills = kill_trials(Path(tmp), args.trials, args.every_steps, args.seed)
-        stops = stop_trials(Path(tmp), args.timeouts)
+        if "workers" in args.parts:
+            ref_wall, kills = kill_trials(Path(tmp), args.trials, args.every_steps, args.seed)
+            stops = stop_trials(Path(tmp), args.timeouts)
+        if "nodes" in args.parts:
+            nodes = node_trials(Path(tmp), args.node_trials, args.node_timeout, args.rdzv_timeout)
+    if nodes:
+        print_nodes(nodes, args.node_timeout, args.rdzv_timeout)
+    if "workers" not in args.parts:
+        if args.json:
+            args.json.write_text(json.dumps({"machine": m, "nodes": nodes}))
+        return 0 if all(r.get("equals_reference", True) for r in nodes) else 1
 
     print(f"\n### SIGKILL of a random worker, --max-restarts 3, checkpoint.every_steps={args.every_steps}\n")
     print(f"Reference run without faults: {ref_wall:.1f} s wall.\n")
@@ -265,7 +444,9 @@ def main() -> int:
     print(md_table(cols, [[r[c] for c in cols] for r in stops]))
     if args.json:
         args.json.write_text(
-            json.dumps({"machine": m, "reference_wall_s": ref_wall, "kills": kills, "stops": stops})
+            json.dumps(
+                {"machine": m, "reference_wall_s": ref_wall, "kills": kills, "stops": stops, "nodes": nodes}
+            )
         )
     return 0 if survived == equal == len(kills) else 1
 

@@ -1,7 +1,6 @@
-"""`ddpkit slurm` writes an editable sbatch script (and submits it); `ddpkit k8s` prints a PyTorchJob manifest.
-
-Both run in-process here (fast); one case goes through the real console entry point. Real Slurm jobs run in
-tests/system/test_slurm.py.
+"""`ddpkit slurm` writes an editable sbatch script (and submits it); its batch logic (the time-limit trap, the
+requeue) runs here for real, with stand-in `srun`/`scontrol` programs. Real Slurm jobs run in
+tests/system/test_slurm.py; `ddpkit k8s` is tested in tests/test_k8s.py.
 """
 
 from __future__ import annotations
@@ -9,11 +8,12 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import assert_user_error, run_cli
 from ddpkit.cli import main
@@ -30,10 +30,29 @@ def cli(capsys, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, exited.value.code, out, err)
 
 
+def sbatch_word(text: str) -> str:
+    """One #SBATCH argument as sbatch's directive parser reads it: quotes group, backslash escapes, '#' ends it."""
+    out, quote, escaped = "", "", False
+    for ch in text:
+        if escaped:
+            out, escaped = out + ch, False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            quote, out = ("", out) if ch == quote else (quote, out + ch)
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" or ch.isspace():
+            break
+        else:
+            out += ch
+    return out
+
+
 def directives(script: str) -> dict[str, str]:
-    """`#SBATCH --key=value` lines -> {key: value} (flags without a value map to '')."""
+    """`#SBATCH --key=value` lines -> {key: value as sbatch reads it} (flags without a value map to '')."""
     found = re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script, re.M)
-    return {key: value for key, value in found}
+    return {key: sbatch_word(value) for key, value in found}
 
 
 def config_of(script: str) -> Path:
@@ -76,12 +95,15 @@ def test_slurm_script_has_the_job_shape_and_preemption_lines(tmp_path, capsys):
     d = directives(text)
     assert d["job-name"] == "digits" and d["nodes"] == "2" and d["ntasks-per-node"] == "4", d
     assert d["gres"] == "gpu:4" and d["cpus-per-task"] == "8" and d["partition"] == "gpu", d
-    assert d["time"] == "1-02:00:00" and d["signal"] == "USR1@300" and "requeue" in d, d
+    assert d["time"] == "1-02:00:00" and d["signal"] == "B:USR1@300" and "requeue" in d, d
     assert d["output"] == str(out_dir / "slurm" / "%x-%j.out") and d["error"] == str(
         out_dir / "slurm" / "%x-%j.err"
     ), d
     assert d["chdir"] == str(Path.cwd()), d
-    assert re.search(r'^srun .*"\$PYTHON" -m ddpkit train -c "\$CONFIG"$', text, re.M), text
+    assert re.search(r'^srun --kill-on-bad-exit=0 "\$PYTHON" -m ddpkit train -c "\$CONFIG" &$', text, re.M), (
+        text
+    )
+    assert re.search(r"^trap on_usr1 USR1$", text, re.M), text
     assert text.startswith("#!/bin/bash\n") and script.stat().st_mode & 0o111
 
 
@@ -176,6 +198,8 @@ def test_slurm_submit_errors_are_user_errors(tmp_path, capsys, monkeypatch):
         (["--gpus-per-node", "2", "--ntasks-per-node", "4"], "each rank needs a GPU"),
         (["--job-name", "my job"], "--job-name 'my job' is not a valid name"),
         (["--signal-before", "0"], "--signal-before must be"),
+        (["--time", "00:02:00", "--signal-before", "120"], "--signal-before 120 is not shorter than --time"),
+        (["--time", "00:01:00", "--signal-before", "300"], "(60 s)"),
         (["--cpus-per-task", "0"], "--cpus-per-task must be at least 1"),
         (["--nproc-per-node", "2"], "launch flags do not apply"),
         (["train.epoch=3"], "did you mean 'train.epochs'"),
@@ -191,89 +215,102 @@ def test_slurm_user_error_from_the_console_script(tmp_path):
     assert_user_error(run_cli("slurm", f"out_dir={tmp_path}", "--nodes", "0"), "--nodes must be at least 1")
 
 
-# ------------------------------------------------------------------------------------------------ k8s
+@pytest.mark.parametrize("out_dir", ["q b", "it's", 'say "x"', "a#b", "back\\slash", "100%"])
+def test_slurm_paths_are_quoted_as_sbatch_reads_them(tmp_path, capsys, out_dir):
+    run = tmp_path / out_dir
+    assert cli(capsys, "slurm", f"out_dir={run}", "--gpus-per-node", "0").returncode == 0
+    text = (run / "slurm" / "ddpkit.sbatch").read_text()
+    d = directives(text)
+    log = str(run / "slurm").replace("%", "%%")  # sbatch expands %-patterns in log names
+    assert (d["output"], d["error"]) == (f"{log}/%x-%j.out", f"{log}/%x-%j.err"), text
+    assert d["chdir"] == str(Path.cwd())
+    assert config_of(text) == run / "slurm" / "ddpkit.yaml"
 
 
-def manifest(capsys, *flags: str) -> dict:
-    proc = cli(capsys, "k8s", *TRAIN, "out_dir=runs/digits", *flags)
-    assert proc.returncode == 0, proc.stderr
-    return yaml.safe_load(proc.stdout)
+def test_a_line_break_in_a_directive_is_refused_before_anything_is_written(tmp_path, capsys):
+    run = tmp_path / "run"
+    proc = cli(capsys, "slurm", f"out_dir={run}", "--output", str(tmp_path / "a\nb.out"))
+    assert_user_error(proc, "holds a line break")
+    assert not run.exists()
 
 
-def test_k8s_manifest_is_a_pytorchjob_with_master_and_workers(capsys):
-    m = manifest(
-        capsys, "--nodes", "3", "--gpus-per-node", "2", "--image", "reg.example/ddpkit:1", "--name", "digits"
-    )
-    assert (m["apiVersion"], m["kind"], m["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "digits")
-    assert "elasticPolicy" not in m["spec"]
-    specs = m["spec"]["pytorchReplicaSpecs"]
-    assert set(specs) == {"Master", "Worker"}
-    assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 2)
-    for spec in specs.values():
-        assert spec["restartPolicy"] == "OnFailure"
-        pod = spec["template"]["spec"]
-        (container,) = pod["containers"]
-        assert container["name"] == "pytorch" and container["image"] == "reg.example/ddpkit:1"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
-        mounts = {v["name"]: v["mountPath"] for v in container["volumeMounts"]}
-        claims = {
-            v["name"]: v["persistentVolumeClaim"]["claimName"]
-            for v in pod["volumes"]
-            if "persistentVolumeClaim" in v
-        }
-        assert claims == {"runs": "ddpkit-runs"} and mounts["runs"] == "/workspace/runs"
-        assert container["workingDir"] == "/workspace"
+# --------------------------------------------------------------------- the batch script's logic, really run
+
+FAKE_SRUN = """#!/bin/bash
+# Stands in for srun and its ranks: runs until SIGUSR1, then checkpoints (unless told not to) and exits 3.
+echo "srun $*" >> "$FAKE_LOG"
+trap 'echo "srun got USR1" >> "$FAKE_LOG"; [ -n "$FAKE_NO_CKPT" ] || touch "$OUT/checkpoints/last.pt"; exit 3' USR1
+[ -n "$FAKE_EXIT" ] && exit "$FAKE_EXIT"
+echo started > "$FAKE_LOG.started"
+for i in $(seq 300); do sleep 0.1; done
+"""
+FAKE_SCONTROL = """#!/bin/sh
+echo "scontrol $*" >> "$FAKE_LOG"
+"""
 
 
-def pod_argv(m: dict, role: str = "Master", **env: str) -> list[str]:
-    """The argv `python -m ddpkit` gets in a pod, after the shell expands the operator's variables."""
-    (container,) = m["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"]
-    shell, dash_c, line = container["command"]
-    assert (shell, dash_c) == ("/bin/sh", "-c") and line.startswith("exec python -m ddpkit train ")
-    echo = line.replace("exec python -m ddpkit", "printf '%s\\n'", 1)
-    proc = subprocess.run(
-        ["sh", "-c", echo], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env}, check=True
-    )
-    return proc.stdout.splitlines()
-
-
-def test_k8s_command_starts_g_workers_per_pod_from_the_operator_variables(capsys):
-    m = manifest(capsys, "--nodes", "2", "--gpus-per-node", "4")
-    argv = pod_argv(m, "Worker", RANK="1", WORLD_SIZE="2", MASTER_ADDR="digits-master-0", MASTER_PORT="23456")
-    assert argv[0] == "train"
-    joined = " ".join(argv)
-    assert (
-        "--nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr digits-master-0 --master-port 23456"
-        in joined
-    )
-    overrides = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
-    assert load_config(None, overrides) == load_config(None, [*TRAIN, "out_dir=runs/digits"])
-
-
-def test_k8s_single_cpu_pod_has_no_workers_and_no_gpu_limits(capsys):
-    m = manifest(capsys, "--nodes", "1", "--gpus-per-node", "0", "--pvc", "my-claim")
-    specs = m["spec"]["pytorchReplicaSpecs"]
-    assert set(specs) == {"Master"}
-    pod = specs["Master"]["template"]["spec"]
-    assert "resources" not in pod["containers"][0]
-    assert {v["name"]: v.get("persistentVolumeClaim") for v in pod["volumes"]}["runs"] == {
-        "claimName": "my-claim"
+def batch(tmp_path: Path, capsys, **env: str) -> tuple[subprocess.Popen, Path]:
+    """The script `ddpkit slurm` writes, run by bash with stand-in srun/scontrol; (the process, their log)."""
+    run = tmp_path / "run"
+    flags = ["--gpus-per-node", "0", "--signal-before", "90"]
+    assert cli(capsys, "slurm", f"out_dir={run}", *flags).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    (run / "checkpoints").mkdir(parents=True)
+    log = tmp_path / "fake.log"
+    full = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_LOG": str(log),
+        "OUT": str(run),
+        "SLURM_JOB_ID": "77",
+        **env,
     }
-    assert "--nproc-per-node 1 --nnodes 1 --node-rank 0" in " ".join(
-        pod_argv(m, RANK="0", MASTER_ADDR="x", MASTER_PORT="1")
+    script = run / "slurm" / "ddpkit.sbatch"
+    proc = subprocess.Popen(
+        ["bash", str(script)],
+        env=full,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    return proc, log
 
 
-@pytest.mark.parametrize(
-    "flags, fragment",
-    [
-        (["--nodes", "0"], "--nodes must be at least 1"),
-        (["--gpus-per-node", "-2"], "--gpus-per-node must be 0 or more"),
-        (["--name", "My_Job"], "--name 'My_Job' is not a valid name"),
-        (["--pvc", "bad claim"], "--pvc 'bad claim' is not a valid name"),
-        (["--image", "a b"], "is not an image reference"),
-        (["--master-addr", "x", "--nnodes", "2"], "launch flags do not apply"),
-    ],
-)
-def test_k8s_bad_values_exit_2_with_one_line(capsys, flags, fragment):
-    assert_user_error(cli(capsys, "k8s", *flags), fragment)
+def wait_started(log: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while not Path(f"{log}.started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_the_time_limit_signal_reaches_the_ranks_and_the_job_is_requeued(tmp_path, capsys, checkpoint):
+    env = {} if checkpoint else {"FAKE_NO_CKPT": "1", "SLURM_RESTART_COUNT": "2"}
+    proc, log = batch(tmp_path, capsys, **env)
+    wait_started(log, proc)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 sends to the batch shell
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, (out, err)
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("srun --kill-on-bad-exit=0 ") and "srun got USR1" in calls, calls
+    assert calls[-1] == "scontrol requeue 77", calls
+    if checkpoint:
+        assert "requeue 1 of job 77 (the ranks exited 3 at the time-limit signal)" in err, err
+        assert "the next run continues from its last checkpoint" in err, err
+    else:
+        assert "requeue 3 of job 77" in err, err
+        assert "from the start (the signal came before the first checkpoint)" in err, err
+
+
+@pytest.mark.parametrize("code", ["0", "1", "3"])
+def test_without_the_signal_the_job_is_not_requeued_and_keeps_the_ranks_status(tmp_path, capsys, code):
+    proc, log = batch(
+        tmp_path, capsys, FAKE_EXIT=code
+    )  # 3 without the time-limit signal: scancel, preemption
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == int(code), (out, err)
+    assert not any(c.startswith("scontrol") for c in log.read_text().splitlines()), log.read_text()

@@ -1,11 +1,16 @@
-"""Small helpers shared by the system tests: the fast training settings and readers for what a run leaves."""
+"""Small helpers shared by the system tests: the fast training settings, readers for what a run leaves, and
+processes watched line by line (and killed as a whole tree, as a node dies)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +27,21 @@ TRAIN = [
     "seed=7",
 ]
 INFO = re.compile(r"^rank=\d+ .*$", re.M)
+
+
+def c10d(addr: str, port: int, rdzv_id: str, nproc: int = 1, *extra: str) -> list[str]:
+    """Launch flags of a 2-node c10d rendezvous at ADDR:PORT."""
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-endpoint",
+        f"{addr}:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        *extra,
+    ]
 
 
 def tail(text: str, chars: int = 3000) -> str:
@@ -80,3 +100,76 @@ def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(out_dir) / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)[
         "model"
     ]
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL a process and all its descendants at once (a node that dies: its launcher and its workers)."""
+    tree = descendants(pid)
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+class Timed:
+    """A started process whose output lines are kept with the time they arrived (seconds since `t0`)."""
+
+    def __init__(self, proc: subprocess.Popen, t0: float):
+        self.proc, self.t0 = proc, t0
+        self.lines: list[tuple[float, str]] = []
+        self.ended: float | None = None
+        self._readers = [
+            threading.Thread(target=self._read, args=(pipe,), daemon=True)
+            for pipe in (proc.stdout, proc.stderr)
+        ]
+        for r in self._readers:
+            r.start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self.lines.append((time.monotonic() - self.t0, line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; kills the process tree when it is not done within `timeout`."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            code = self.proc.wait()
+        self.ended = self.ended or time.monotonic() - self.t0
+        for r in self._readers:
+            r.join(timeout=10)
+        return code
+
+    def poll_ended(self) -> bool:
+        """True once the process has exited (and records when)."""
+        if self.proc.poll() is not None and self.ended is None:
+            self.ended = time.monotonic() - self.t0
+        return self.proc.poll() is not None
+
+    def first(self, fragment: str) -> tuple[float, str] | None:
+        """(time, line) of the first output line containing `fragment`."""
+        return next(((t, line) for t, line in list(self.lines) if fragment in line), None)
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)

@@ -1,5 +1,6 @@
-"""Two "hosts" (network namespaces on one veth link, each with its own address and host name): static and
-c10d rendezvous across them, a node that never arrives, and a 2 nodes x 2 processes training job."""
+"""Two "hosts" (network namespaces on one bridge, each with its own address, host name and /etc/hosts that maps
+its own name to 127.0.1.1, as Debian does): static and c10d rendezvous across them with no *_SOCKET_IFNAME set,
+the interface ddpkit picks, a node that never arrives, and training that ends bit-identical to one node."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import subprocess
 import time
 
 import pytest
+import torch
 
-from conftest import assert_user_error
+from conftest import assert_user_error, run_cli
 
-from .helpers import PY, TRAIN, assert_trained, finish, ok, rank_lines
+from .helpers import PY, TRAIN, assert_trained, c10d, final_weights, finish, ok, rank_lines
 
 pytestmark = pytest.mark.system
 
@@ -29,34 +31,52 @@ def static(netns, port: int, nproc: int = 2) -> list[str]:
     ]
 
 
-def test_two_nodes_static_rendezvous_four_ranks_over_the_veth_link(netns):
-    node0 = netns.ddpkit(0, "info", *static(netns, 29411), "--node-rank", "0")
-    node1 = netns.ddpkit(1, "info", *static(netns, 29411), "--node-rank", "1")
-    out0, _ = (ok(r) for r in finish([node0, node1]))
+def both(
+    netns, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """`ddpkit ARGS --node-rank R` on both nodes at once; their results."""
+    procs = [netns.ddpkit(r, *args, "--node-rank", str(r), env=env) for r in (0, 1)]
+    return finish(procs, timeout=timeout)
+
+
+def test_two_nodes_static_rendezvous_picks_the_link_by_its_route(netns):
+    out0, _ = (ok(r) for r in both(netns, "info", *static(netns, 29411)))
     lines = rank_lines(out0)
-    a, b = netns.addrs
+    (a, b), (host_a, host_b) = netns.addrs, netns.hosts
     assert [(x["rank"], x["local_rank"], x["node_rank"], x["host"]) for x in lines] == [
-        ("0", "0", "0", a),
-        ("1", "1", "0", a),
-        ("2", "0", "1", b),
-        ("3", "1", "1", b),
+        ("0", "0", "0", host_a),
+        ("1", "1", "0", host_a),
+        ("2", "0", "1", host_b),
+        ("3", "1", "1", host_b),
     ], out0
     assert {x["world_size"] for x in lines} == {"4"}, out0
-    assert {x["iface"] for x in lines} == {netns.ifname}, out0
+    assert [(x["iface"], x["addr"], x["iface_from"]) for x in lines] == [
+        (netns.ifname, a, "route"),
+        (netns.ifname, a, "route"),
+        (netns.ifname, b, "route"),
+        (netns.ifname, b, "route"),
+    ], out0
     assert {x["master"] for x in lines} == {f"{a}:29411"}, out0
 
 
+def test_the_users_interface_wins(netns):
+    env = {"GLOO_SOCKET_IFNAME": netns.ifname}
+    out0, _ = (ok(r) for r in both(netns, "info", *static(netns, 29412, nproc=1), env=env))
+    lines = rank_lines(out0)
+    assert [(x["iface"], x["addr"], x["iface_from"]) for x in lines] == [
+        (netns.ifname, netns.addrs[0], "user"),
+        (netns.ifname, netns.addrs[1], "user"),
+    ], out0
+
+
+def test_an_interface_name_that_does_not_exist_is_one_line(netns):
+    env = {"GLOO_SOCKET_IFNAME": "eth9"}
+    (proc,) = finish([netns.ddpkit(1, "info", *static(netns, 29413, nproc=1), "--node-rank", "1", env=env)])
+    assert_user_error(proc, "GLOO_SOCKET_IFNAME=eth9 names no interface", netns.ifname)
+
+
 def test_two_nodes_c10d_rendezvous_node1_starts_first(netns):
-    flags = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-endpoint",
-        f"{netns.addrs[0]}:29421",
-        "--rdzv-id",
-        "sys-c10d",
-    ]
+    flags = c10d(netns.addrs[0], 29421, "sys-c10d", 2)
     node1 = netns.ddpkit(1, "info", *flags)
     time.sleep(3)  # node 1 waits for the rendezvous endpoint that node 0 has not opened yet
     assert node1.poll() is None, node1.communicate()
@@ -66,10 +86,10 @@ def test_two_nodes_c10d_rendezvous_node1_starts_first(netns):
     assert sorted(int(x["rank"]) for x in lines) == [0, 1, 2, 3], out
     by_host = {
         h: sorted((int(x["rank"]), int(x["local_rank"])) for x in lines if x["host"] == h)
-        for h in netns.addrs
+        for h in netns.hosts
     }
     assert sorted(by_host.values()) == [[(0, 0), (1, 1)], [(2, 0), (3, 1)]], out
-    assert {x["iface"] for x in lines} == {netns.ifname}, out
+    assert {(x["iface"], x["iface_from"]) for x in lines} == {(netns.ifname, "route")}, out
 
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
@@ -78,16 +98,7 @@ def test_a_node_that_never_arrives_fails_clearly_after_the_rdzv_timeout(netns, r
     if rendezvous == "static":
         flags = [*static(netns, port, nproc=1), "--node-rank", "0"]
     else:
-        flags = [
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-endpoint",
-            f"{netns.addrs[0]}:{port}",
-            "--rdzv-id",
-            "gone",
-        ]
+        flags = c10d(netns.addrs[0], port, "gone")
     start = time.monotonic()
     (proc,) = finish([netns.ddpkit(0, "info", *flags, "--rdzv-timeout", "5")], timeout=120)
     elapsed = time.monotonic() - start
@@ -95,21 +106,54 @@ def test_a_node_that_never_arrives_fails_clearly_after_the_rdzv_timeout(netns, r
     assert elapsed < 60, elapsed
 
 
-def test_two_nodes_two_processes_each_train_one_four_rank_job(netns, tmp_path):
-    out_dir = tmp_path / "run"  # the namespaces share the file system, like nodes with a shared home
-    args = ["train", *TRAIN, f"out_dir={out_dir}", *static(netns, 29441)]
-    procs = [netns.ddpkit(0, *args, "--node-rank", "0"), netns.ddpkit(1, *args, "--node-rank", "1")]
-    for proc in finish(procs, timeout=300):
+def test_two_nodes_without_socket_ifname_train_to_the_weights_of_one_node(netns, tmp_path):
+    # The namespaces' host names resolve to 127.0.1.1 and nothing names an interface: without ddpkit's choice gloo
+    # advertises the loopback address and the job fails ("Gloo connectFullMesh failed ... remote=[127.0.1.1]").
+    train = ["train", *TRAIN]
+    results = both(netns, *train, f"out_dir={tmp_path / 'two'}", *static(netns, 29441), timeout=300)
+    for proc in results:
         ok(proc)
-    assert_trained(out_dir, world_size=4)
+    ok(run_cli(*train, f"out_dir={tmp_path / 'one'}", "--nproc-per-node", "4"))
+    assert_trained(tmp_path / "two", world_size=4)
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert one.keys() == two.keys()
+    assert [k for k in one if not torch.equal(one[k], two[k])] == []
+
+
+def _isolated(hosts_file, *command: str) -> list[str]:
+    """`command` in a fresh network namespace with only loopback, under host name nodez and its own /etc/hosts."""
+    setup = f'ip link set lo up && mount --bind {hosts_file} /etc/hosts && hostname nodez && exec "$@"'
+    return ["unshare", "--net", "--mount", "--uts", "sh", "-c", setup, "sh", *command]
+
+
+@pytest.mark.parametrize("where", ["master-unresolvable", "loopback-only"])
+def test_a_host_name_on_loopback_with_no_usable_interface_is_one_line(netns, tmp_path, where):
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", "29481", "--rdzv-timeout", "5"]
+    if where == "master-unresolvable":  # node 1 knows no address for the master's name
+        proc = netns.ddpkit(1, "info", *launch, "--master-addr", "nodez", "--node-rank", "1")
+    else:  # a host with nothing but loopback, told that it is the master of a 2-node job
+        hosts = tmp_path / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n127.0.1.1 nodez\n")
+        argv = _isolated(
+            hosts, PY, "-m", "ddpkit", "info", *launch, "--master-addr", "nodez", "--node-rank", "0"
+        )
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=netns.env()
+        )
+    start = time.monotonic()
+    (result,) = finish([proc], timeout=120)
+    line = assert_user_error(
+        result, "resolves to the loopback address 127.0.1.1", "GLOO_SOCKET_IFNAME", "/etc/hosts"
+    )
+    assert "nodez" in line and time.monotonic() - start < 30, line
 
 
 def test_a_wrong_master_address_fails_clearly_on_the_joining_node(netns):
-    wrong = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "10.77.0.9", "--master-port", "29461"]
+    wrong = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", netns.spare, "--master-port", "29461"]
     (proc,) = finish(
         [netns.ddpkit(1, "info", *wrong, "--node-rank", "1", "--rdzv-timeout", "5")], timeout=120
     )
-    assert_user_error(proc, "could not reach the rendezvous at 10.77.0.9:29461")
+    assert_user_error(proc, f"could not reach the rendezvous at {netns.spare}:29461")
 
 
 def test_a_rendezvous_port_in_use_fails_clearly(netns):

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
+from ddpkit.distributed import netif
 from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import DistContext, hostname
 
 
 def rank_line(ctx: DistContext) -> str:
-    """This rank's line: rank, local_rank, world_size, host, backend, device (+ launcher, node, interface)."""
+    """This rank's line: who it is, where it runs, and the interface and address its process group uses."""
     e = ctx.env
-    iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME") or "default"
     return (
         f"rank={e.rank} local_rank={e.local_rank} world_size={e.world_size} host={hostname()} "
         f"backend={ctx.backend} device={ctx.device} node_rank={e.node_rank} launcher={e.launcher} "
-        f"master={e.master_addr}:{e.master_port} iface={iface}"
+        f"master={e.master_addr}:{e.master_port} {netif.current().describe()}"
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
+import socket
 import threading
 import time
 import weakref
@@ -42,6 +44,9 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
         self.step = 0
+        self.hosts: dict[int, str] = {}  # rank -> host name, as the ranks' beats say
+        self._host = socket.gethostname()
+        self._unreachable = False  # the store stopped answering: close() then does not wait for the thread
         self._stop = threading.Event()
         self._store = (
             _default_store() if dist.is_available() and dist.is_initialized() and world_size > 1 else None
@@ -60,7 +65,7 @@ class Heartbeat:
         self.close()
 
     def _beat(self) -> None:
-        self._store.set(KEY.format(rank=self.rank), f"{self.step} {time.time():.3f}")
+        self._store.set(KEY.format(rank=self.rank), f"{self.step} {time.time():.3f} {self._host}")
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -78,6 +83,8 @@ class Heartbeat:
         """
         self._stop.set()
         _LIVE.discard(self)
+        if self._unreachable:  # the thread is stuck in a store call that only TCP will end
+            return
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 10)
 
@@ -93,14 +100,27 @@ class Heartbeat:
             try:
                 if not self._store.check([key]):
                     continue
-                step, stamp = self._store.get(key).decode().split()
+                step, stamp, *host = self._store.get(key).decode().split()
                 out[r] = (int(step), now - float(stamp))
+                self.hosts[r] = host[0] if host else "?"
             except Exception:
                 continue
         return out
 
-    def diagnose(self) -> str:
-        """Which ranks fell behind and where, in words (empty when nothing can be said)."""
+    def diagnose(self, within_s: float = 5.0) -> str:
+        """Which ranks fell behind and where, in words (empty when nothing can be said); never waits longer
+        than `within_s` for the store (across a network partition a store call blocks until TCP gives up)."""
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.append(self._diagnose()), daemon=True)
+        reader.start()
+        reader.join(within_s)
+        if said:
+            return said[0]
+        self._unreachable = True
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return f"the store at {where} did not answer within {within_s:.0f} s: that node is unreachable or stopped"
+
+    def _diagnose(self) -> str:
         beats = self.read()
         if self._store is None:
             return ""
@@ -110,7 +130,10 @@ class Heartbeat:
             )
         silent = [r for r in range(self.world_size) if r not in beats]
         stale = sorted(r for r, (_, age) in beats.items() if age > 3 * self.interval_s + 1)
-        parts = [f"rank {r} (last heartbeat at step {beats[r][0]}, {beats[r][1]:.0f} s ago)" for r in stale]
+        parts = [
+            f"rank {r} on {self.hosts.get(r, '?')} (last heartbeat at step {beats[r][0]}, {beats[r][1]:.0f} s ago)"
+            for r in stale
+        ]
         parts += [f"rank {r} (never sent a heartbeat)" for r in silent]
         if not parts:  # everyone alive: name the ones furthest behind
             low = min(step for step, _ in beats.values())

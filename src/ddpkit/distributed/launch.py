@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from ddpkit.distributed.netif import hosted_endpoint, use_interface
+from ddpkit.distributed.peers import name_lost_nodes, watch
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
 
 PREEMPTED_EXIT = Preempted.exit_code
@@ -304,12 +306,13 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
         port = spec.master_port or 29500
         backend, endpoint, run_id = "static", f"{addr}:{port}", "ddpkit"
         configs = {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}
+    use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=nproc,
         run_id=run_id,
-        rdzv_endpoint=endpoint,
+        rdzv_endpoint=hosted_endpoint(endpoint) if backend == "c10d" else endpoint,
         rdzv_backend=backend,
         rdzv_configs=configs,
         max_restarts=spec.max_restarts,
@@ -319,6 +322,7 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(
         logging.INFO if os.environ.get("DDPKIT_DEBUG") else logging.ERROR
     )
+    watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
     try:
         elastic_launch(config, sys.executable)(*python_args)
     except ChildFailedError as e:
@@ -336,7 +340,7 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
             signum=int(e.sigval),
         ) from None
     except Exception as e:  # rendezvous failures: a node that never came, a port in use, ...
-        err = _rendezvous_error(e, spec, endpoint)
+        err = name_lost_nodes(_rendezvous_error(e, spec, endpoint))
         if err is e:
             raise
         raise err from None

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ddpkit.distributed.collectives import group_ended
 from ddpkit.distributed.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
 from ddpkit.distributed.health import stop_heartbeat
+from ddpkit.distributed.netif import use_interface
 from ddpkit.errors import UserError, first_line
 
 
@@ -124,6 +125,7 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.distributed:
+        use_interface(env.master_addr, env.num_nodes > 1)  # before gloo/NCCL pick an address
         _init_group(env, backend, dev, timeout_s)
     _CONTEXT = DistContext(env=env, backend=backend, device=dev)
     return _CONTEXT
