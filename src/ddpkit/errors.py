@@ -106,13 +106,14 @@ def describe_os_error(e: OSError) -> tuple[str, str]:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_space(path)
         return (
-            f"{cause.lower()} writing{where}" + (f" ({free})" if free else ""),
+            cause.lower() + (f" writing{where}" if path else "") + (f" ({free})" if free else ""),
             "free some space or choose an out_dir on another disk, then rerun the same command to continue",
         )
     if e.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         shown = f" (this process may write files of at most {_size(limit)}: `ulimit -f`)" if limit > 0 else ""
-        return f"file too large writing{where}{shown}", "raise the file size limit (`ulimit -f unlimited`)"
+        what = "file too large" + (f" writing{where}" if path else "")
+        return what + shown, "raise the file size limit (`ulimit -f unlimited`)"
     if e.errno == errno.EROFS:
         return (
             f"{where.strip() or 'a file'} is on a read-only file system",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
-from ddpkit.errors import Failure, UserError
+from ddpkit.errors import Failure, UserError, describe_os_error
 from ddpkit.runlock import RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true
@@ -45,6 +45,8 @@ def decided_by_main(fn: Callable[[], T], is_main: bool) -> T:
             result = fn()
         except UserError as e:
             err = (e.what, e.hint)
+        except OSError as e:  # the other ranks wait for the answer: they must hear of this one too
+            err = describe_os_error(e)
     result, err = broadcast_object((result, err))
     _raise_agreed(err, is_main)
     return result  # type: ignore[return-value]
