@@ -119,12 +119,9 @@ class RunLog:
         """A line on the console and in log.txt."""
         if not self.active:
             return
+        bar = self._bar
         self._console(
-            lambda: (
-                self._bar.write(msg, file=self.stream)
-                if self._bar
-                else print(msg, file=self.stream, flush=True)
-            )
+            lambda: bar.write(msg, file=self.stream) if bar else print(msg, file=self.stream, flush=True)
         )
         line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n"
         if self._log is None:
