@@ -85,6 +85,8 @@ def test_newest_complete_passes_over_a_damaged_last_and_says_so(tmp_path):
     path, state = ckpt.newest_complete(warn=warnings.append)
     assert path.name == "epoch_0002.pt" and state["epoch"] == 2
     assert len(warnings) == 1 and "last.pt" in warnings[0] and "falling back" in warnings[0]
+    assert list(ckpt.dir.glob("*.tmp"))  # looking writes nothing: a run sweeps once it owns out_dir
+    ckpt.sweep()
     assert not list(ckpt.dir.glob("*.tmp"))  # temporaries of killed saves are swept
     assert CheckpointDir(tmp_path / "nothing").newest_complete() is None
 
@@ -117,8 +119,8 @@ def test_sigkill_during_checkpoint_write_never_leaves_an_unreadable_newest(tmp_p
         assert state["model"]["w"][0].item() == state["step"]
         assert state["step"] > seen  # the newest complete save, never an older one
         seen = state["step"]
-    # the temporary files of killed saves are swept when a run next looks for a checkpoint
-    CheckpointDir(tmp_path).newest_complete()
+    # the temporary files of killed saves are swept when the next run takes out_dir over
+    CheckpointDir(tmp_path).sweep()
     assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
 
 
@@ -134,3 +136,104 @@ def test_save_checkpoint_is_atomic_on_error(tmp_path):
         save_checkpoint({"model": {}, "bad": Unpicklable()}, path)
     assert torch.equal(load_checkpoint(path)["model"]["a"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files that are not what they claim: one line that says what is wrong, never torch's long message or advice
+
+
+def _evil(marker) -> object:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    return Evil()
+
+
+def test_a_file_that_would_run_code_is_named_by_its_global_not_torchs_advice(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "epoch": 1, "step": 1, "x": _evil(marker)}, path)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(path, require=("model",))
+    line = e.value.line()
+    assert "GLOBAL posix.system" in line and "a safe load refuses to run" in line, line
+    assert "weights_only" not in line and "\n" not in line and "\x1b" not in line and not marker.exists()
+    model_object = tmp_path / "module.pt"
+    torch.save({"model": torch.nn.Linear(2, 2), "epoch": 1, "step": 1}, model_object)
+    with pytest.raises(
+        UserError, match=r"a pickled model object \(GLOBAL torch\.nn\.modules\.linear\.Linear\)"
+    ):
+        load_checkpoint(model_object)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", "empty or cut short"),
+        (b"garbage" * 10, "not a torch.save file"),
+        ("half", "truncated or damaged"),
+    ],
+)
+def test_damaged_files_say_what_is_wrong_in_a_few_words(tmp_path, content, reason):
+    path = tmp_path / "c.pt"
+    if content == "half":
+        whole = save_checkpoint(_state(1), tmp_path / "whole.pt").read_bytes()
+        content = whole[: len(whole) // 2]
+    path.write_bytes(content)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(path)
+    assert reason in e.value.what and len(e.value.line()) < 300, e.value.line()
+
+
+def test_a_folder_is_called_a_folder_and_the_checkpoint_inside_is_named(tmp_path):
+    run = tmp_path / "run"
+    CheckpointDir(run).save_epoch(_state(1), 1, is_best=True)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(run)
+    assert "is a folder, not a checkpoint file" in e.value.what and "does not exist" not in e.value.line()
+    assert str(run / "checkpoints" / "last.pt") in e.value.hint
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        ([1, 2], "is a list, not a state dict"),
+        ({}, "is empty"),
+        ({"w": torch.ones(1), "b": 3}, "maps 'b' to a int value, not a tensor"),
+        ({"model": {"w": torch.ones(1)}, "epoch": 2}, "(a whole checkpoint nested inside?)"),
+    ],
+)
+def test_a_model_entry_that_is_not_a_state_dict_says_what_it_is(tmp_path, model, why):
+    path = save_checkpoint({"model": model, "epoch": 1, "step": 1}, tmp_path / "c.pt")
+    with pytest.raises(UserError) as e:
+        load_checkpoint(path, require=("model", "epoch", "step"))
+    assert why in e.value.what, e.value.what
+
+
+def _fill(limit: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_write_that_fails_names_the_file_not_torchs_unexpected_pos(tmp_path):
+    # torch's zip writer reports a failed write as `unexpected pos N vs M`; the OSError under it names the cause
+    code = (
+        "import sys, torch\n"
+        "from ddpkit.checkpoint import save_checkpoint\n"
+        "try:\n"
+        "    save_checkpoint({'w': torch.zeros(100_000)}, sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print(e.errno, e.filename, e.strerror)\n"
+    )
+    path = tmp_path / "checkpoints" / "last.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        preexec_fn=lambda: _fill(64 * 1024),  # `ulimit -f 64`: the file system refuses bigger files (EFBIG)
+    )
+    assert proc.stdout.split(" ", 2)[:2] == ["27", str(path)], proc.stdout + proc.stderr
+    assert not list(path.parent.iterdir())  # the temporary file is gone, nothing half-written stays

@@ -58,3 +58,36 @@ def test_a_command_that_succeeds_exits_0(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])
     assert exit_.value.code == 0 and "ddpkit train --help-config" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("errno_", "path", "expected"),
+    [
+        (
+            28,
+            "PATH/checkpoints/last.pt",
+            "ddpkit: error: no space left on device writing 'PATH/checkpoints/last.pt' (",
+        ),
+        (30, "PATH/metrics.jsonl", "ddpkit: error: 'PATH/metrics.jsonl' is on a read-only file system ("),
+        (13, "PATH/log.txt", "ddpkit: error: permission denied: 'PATH/log.txt' (give this user write access"),
+        (5, "PATH/data/x.png", "ddpkit: error: input/output error on 'PATH/data/x.png' (the disk"),
+    ],
+)
+def test_an_os_error_is_one_line_naming_the_path_and_its_cause(
+    monkeypatch, capsys, tmp_path, errno_, path, expected
+):
+    import os
+
+    path = path.replace("PATH", str(tmp_path))
+
+    def fail(argv):
+        raise OSError(errno_, os.strerror(errno_), path)
+
+    monkeypatch.setattr(cli, "run", fail)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(expected.replace("PATH", str(tmp_path))), err
+    if errno_ == 28:
+        assert f"free on {tmp_path}" in err  # how much room the disk has left

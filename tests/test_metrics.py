@@ -38,6 +38,7 @@ def test_only_the_active_log_writes(tmp_path):
 def test_lines_go_to_the_console_and_log_txt_and_rows_to_metrics_jsonl_and_tensorboard(tmp_path):
     console = io.StringIO()
     log = RunLog(tmp_path, active=True, stream=console)
+    log.open()
     log.info("ddpkit: 1 process(es)")
     log.metrics({"epoch": 1, "train_loss": 0.5, "val_loss": None})
     log.close()
@@ -81,3 +82,39 @@ def test_reconcile_keeps_exactly_the_checkpoints_epochs(tmp_path):
     log.reconcile_metrics(2, {"epoch": 3})  # a row of a later epoch than kept is not appended
     assert _rows(tmp_path) == [1, 2]
     log.close()
+
+
+def test_lines_logged_before_the_run_owns_out_dir_are_printed_and_written_only_once_it_does(tmp_path):
+    console = io.StringIO()
+    log = RunLog(tmp_path / "run", active=True, stream=console)
+    log.info("loaded 6/6 tensors")  # while the model is built: out_dir is not ours yet
+    assert console.getvalue() == "loaded 6/6 tensors\n" and not (tmp_path / "run").exists()
+    log.close()  # a check failed: nothing was written
+    assert not (tmp_path / "run").exists()
+    log = RunLog(tmp_path, active=True, stream=io.StringIO())
+    log.info("first")
+    log.open()
+    log.info("second")
+    log.close()
+    assert [ln.split(" ", 2)[2] for ln in (tmp_path / "log.txt").read_text().splitlines()] == [
+        "first",
+        "second",
+    ]
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_console_that_went_away_ends_the_printing_not_the_run(tmp_path, monkeypatch):
+    silenced = []
+    monkeypatch.setattr("ddpkit.metrics.silence_stdout", lambda: silenced.append(True))
+    log = RunLog(tmp_path, active=True, stream=_ClosedPipe())
+    log.open()
+    log.info("one")  # raised BrokenPipeError before
+    log.info("two")
+    log.step(3, 3, 1, 1, RunningSums(torch.device("cpu")), every=1)
+    log.close()
+    assert silenced == [True]  # stdout pointed at /dev/null once, so the exit flush cannot fail either
+    assert (tmp_path / "log.txt").read_text().count("\n") == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -318,3 +319,17 @@ def test_restarted_workers_never_see_the_dead_workers_rendezvous_keys(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.split("\n")[:-1]) == ["attempt 1 rank 0 sum 3", "attempt 1 rank 1 sum 3"]
     assert time.time() - t0 < 60
+
+
+def test_every_test_the_reliability_table_names_exists():
+    import ast
+
+    from conftest import REPO
+
+    text = (REPO / "docs" / "reliability.md").read_text()
+    table = text.split("## What each bad input gets, and the test that holds it\n", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", table)
+    assert len(named) >= 30
+    for file, name in named:
+        tree = ast.parse((REPO / "tests" / file).read_text())
+        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{file}::{name}"

@@ -61,12 +61,25 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        cause = _os_cause(e)
+        if cause is not None:  # a full disk, a size limit, ...: name the file (torch's writer names nothing)
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _os_cause(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `e` itself, or what torch's zip writer turned into `unexpected pos`."""
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e, seen = (e.__cause__ or e.__context__), seen + 1
+    return None
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -89,6 +102,57 @@ def _place(src: Path, dst: Path) -> None:
     _atomic_write(dst, copy)
 
 
+def unreadable_reason(e: BaseException) -> str:
+    """Why torch.load(weights_only=True) failed, in a few words (torch's own message is long and its advice,
+    loading with weights_only=False, is wrong for a file from elsewhere)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        name = found.group(1)
+        what = "a pickled model object" if name.startswith("torch.nn.") else "Python objects"
+        return f"it holds {what} (GLOBAL {name}) that a safe load refuses to run"
+    if isinstance(e, EOFError):
+        return "it ends before its data does (empty or cut short)"
+    for needle, reason in (
+        ("central directory", "it is truncated or damaged (its zip directory is missing)"),
+        ("Unsupported operand", "it is not a torch.save file (not a pickle torch can read)"),
+        ("magic number", "it is not a torch.save file (wrong magic number)"),
+        ("invalid load key", "it is not a torch.save file"),
+    ):
+        if needle in text:
+            return reason
+    return f"{type(e).__name__}: {first_line(text, limit=150)}"
+
+
+def _not_a_file(path: Path) -> UserError:
+    if path.is_dir():
+        inside = [p for p in (path / "checkpoints" / "last.pt", path / "last.pt") if p.is_file()]
+        return UserError(
+            f"checkpoint '{path}' is a folder, not a checkpoint file",
+            f"did you mean '{inside[0]}'?" if inside else "point to a .pt file written by ddpkit train",
+        )
+    return UserError(f"checkpoint '{path}' does not exist", "check checkpoint.path / checkpoint.resume")
+
+
+def check_file(path: str | os.PathLike) -> None:
+    """UserError when `path` is not a checkpoint file: missing, or a folder (naming the file inside it)."""
+    if not Path(path).is_file():
+        raise _not_a_file(Path(path))
+
+
+def _not_a_state_dict(model: Any) -> str | None:
+    """Why a checkpoint's `model` entry is not a state dict (names to tensors), or None when it is one."""
+    if not isinstance(model, dict):
+        return f"is a {type(model).__name__}, not a state dict"
+    if not model:
+        return "is empty"
+    for k, v in model.items():
+        if not isinstance(v, torch.Tensor):
+            nested = " (a whole checkpoint nested inside?)" if isinstance(v, dict) else ""
+            return f"maps '{first_line(str(k), 60)}' to a {type(v).__name__} value, not a tensor{nested}"
+    return None
+
+
 def load_checkpoint(
     path: str | os.PathLike, map_location: Any = "cpu", require: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -98,14 +162,17 @@ def load_checkpoint(
     state dict: names to tensors).
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint '{path}' does not exist", "check checkpoint.path / checkpoint.resume")
+    check_file(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, pickle with code, not a torch file at all, ...
-        first = first_line(e)
+    except OSError as e:  # permissions, I/O errors: the file is there but cannot be read
         raise UserError(
-            f"checkpoint '{path}' is unreadable: {first}", "point to a complete ddpkit checkpoint"
+            f"cannot read checkpoint '{path}': {e.strerror or e}", "check the file's permissions and disk"
+        ) from None
+    except Exception as e:  # truncated zip, pickle with code, not a torch file at all, ...
+        raise UserError(
+            f"checkpoint '{path}' is unreadable: {unreadable_reason(e)}",
+            "point to a complete checkpoint written by ddpkit train",
         ) from None
     if require:
         missing = [k for k in require if not isinstance(state, dict) or k not in state]
@@ -114,13 +181,11 @@ def load_checkpoint(
                 f"checkpoint '{path}' holds no {', '.join(repr(k) for k in missing)} entry",
                 "point to a checkpoint written by ddpkit train",
             )
-        model = state.get("model")
-        if "model" in require and not (
-            isinstance(model, dict) and model and all(isinstance(v, torch.Tensor) for v in model.values())
-        ):
+        why = _not_a_state_dict(state.get("model")) if "model" in require else None
+        if why:
             raise UserError(
-                f"checkpoint '{path}' has a 'model' entry that is not a state dict of tensors",
-                "point to a checkpoint written by ddpkit train",
+                f"checkpoint '{path}' has a 'model' entry that {why}",
+                "point to a checkpoint written by ddpkit train (its 'model' is model.state_dict())",
             )
     return state
 
@@ -165,14 +230,20 @@ class CheckpointDir:
         if is_best:
             _place(path, self.best)
 
-    def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
-        """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over."""
-        if self.dir.is_dir():  # temporary files of saves that were killed half-way
+    def candidates(self) -> list[Path]:
+        """The files a resume may continue from, newest first: last.pt, then the epoch files."""
+        return [p for p in [self.last, *self.epoch_files()] if p.exists()]
+
+    def sweep(self) -> None:
+        """Remove the temporary files of saves that were killed half-way."""
+        if self.dir.is_dir():
             for tmp in self.dir.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
-        for path in [self.last, *self.epoch_files()]:
-            if not path.exists():
-                continue
+
+    def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
+        """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over
+        (reading only: temporaries of killed saves are left to sweep())."""
+        for path in self.candidates():
             try:
                 return path, load_checkpoint(path, require=TRAIN_KEYS)
             except UserError as e:

@@ -1,7 +1,8 @@
 """Command line: parse -> config -> start workers, or join the launcher that started us -> run the command.
 
 User mistakes (UserError) become one `ddpkit: error: WHAT (HOW TO FIX)` line and exit 2, failures (Failure) their
-own line and exit code, here and only here.
+own line and exit code, an OSError (a full or read-only disk, ...) one line naming the path and exit 1, here and
+only here.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted) else."""
+    """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
+    OSError."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = run(argv)
@@ -167,5 +169,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
         code = 130
-    sys.stdout.flush()
+    except OSError as e:  # a disk that filled up or went read-only, a path that is not a folder, ...
+        from ddpkit.errors import describe_os_error
+
+        what, hint = describe_os_error(e)
+        print(f"ddpkit: error: {what} ({hint})", file=sys.stderr, flush=True)
+        code = 1
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the reader of our stdout went away: nothing left to say to it
+        from ddpkit.metrics import silence_stdout
+
+        silence_stdout()
     sys.exit(code)

@@ -49,6 +49,11 @@ class DataConfig:
     pin_memory: bool = opt(
         True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
     )
+    skip_corrupt: bool = opt(
+        False,
+        "false: an undecodable sample (a damaged image file) is an error naming the file; true: it is left "
+        "out, counted (metrics field skipped_samples) and named in log.txt",
+    )
 
 
 @dataclass
@@ -180,6 +185,11 @@ class CheckpointConfig:
     path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
     every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)
     every_minutes: float = opt(0.0, "also checkpoint every N minutes of training (0: off)", ge=0)
+    overwrite: bool = opt(
+        False,
+        "false: an out_dir holding an earlier run is continued (resume=auto) or refused; true: the earlier run "
+        "is moved aside into out_dir/previous/DATE-TIME/ (never deleted) and a new run starts",
+    )
 
 
 @dataclass

@@ -69,3 +69,62 @@ def first_line(e: BaseException | str, limit: int = 200, joined: bool = False) -
         return type(e).__name__ if isinstance(e, BaseException) else ""
     line = " ".join(text.split()) if joined else text.splitlines()[0]
     return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_space(path: str | None) -> str:
+    """`12.0 MiB free on /mnt/x` for the file system holding `path` (its nearest existing folder); '' if unknown."""
+    import os
+    import shutil
+
+    if not path:
+        return ""
+    folder = os.path.abspath(path)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return f"{_size(shutil.disk_usage(folder).free)} free on {folder}"
+    except OSError:
+        return ""
+
+
+def describe_os_error(e: OSError) -> tuple[str, str]:
+    """(what, how to fix) for a failed read or write: the path, the real cause, and for a full disk its free space."""
+    import errno
+    import resource
+
+    path = e.filename
+    where = f" '{path}'" if path else ""
+    cause = e.strerror or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_space(path)
+        return (
+            cause.lower() + (f" writing{where}" if path else "") + (f" ({free})" if free else ""),
+            "free some space or choose an out_dir on another disk, then rerun the same command to continue",
+        )
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = f" (this process may write files of at most {_size(limit)}: `ulimit -f`)" if limit > 0 else ""
+        what = "file too large" + (f" writing{where}" if path else "")
+        return what + shown, "raise the file size limit (`ulimit -f unlimited`)"
+    if e.errno == errno.EROFS:
+        return (
+            f"{where.strip() or 'a file'} is on a read-only file system",
+            "choose an out_dir on a writable disk",
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied:{where}", "give this user write access to it or choose another out_dir"
+    if e.errno == errno.ENOTDIR:
+        return f"a part of the path{where} is a file, not a folder", "choose a path whose folders are folders"
+    if e.errno == errno.EISDIR:
+        return f"{where.strip()} is a folder, not a file", "give the path of a file"
+    if e.errno == errno.EIO:
+        return f"input/output error on{where}", "the disk or network file system failed: check it, then rerun"
+    return f"{cause}:{where}" if where else cause, "check the file and the disk it is on, then rerun"

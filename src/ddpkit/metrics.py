@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what
     "val_samples",
     "epoch_time_s",
     "train_images_per_s",
+    "skipped_samples",
 )
 
 
@@ -63,36 +65,85 @@ def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def silence_stdout() -> None:
+    """Point this process's stdout at /dev/null (its reader went away): later writes and the exit flush succeed."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """Re-raise an OSError of a write into `path` with the path in it (a write to an open file names none)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 class RunLog:
-    """Everything rank 0 prints or writes while training; on other ranks every method does nothing."""
+    """Everything rank 0 prints or writes while training; on other ranks every method does nothing.
+
+    Nothing is written into out_dir until open() (after every check passed): lines logged before it are printed
+    and kept, then written to log.txt first. A console that goes away (`ddpkit train | head`) stops the printing,
+    not the run: log.txt keeps every line.
+    """
 
     def __init__(self, out_dir: str | os.PathLike, active: bool, stream: TextIO | None = None):
         self.active = active
         self.out_dir = Path(out_dir)
-        self.stream = stream or sys.stdout
+        self.stream: TextIO | None = stream or sys.stdout
         self.tty = self.stream.isatty()
         self._log: TextIO | None = None
+        self._early: list[str] = []  # lines logged before open()
         self._tb = None
         self._bar = None
-        if active:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.out_dir / "log.txt", "a", encoding="utf-8")
+
+    def open(self) -> None:
+        """Start writing log.txt (appending), with the lines logged so far."""
+        if not self.active or self._log is not None:
+            return
+        path = self.out_dir / "log.txt"
+        with naming(path):
+            self._log = open(path, "a", encoding="utf-8")
+            self._log.writelines(self._early)
+            self._log.flush()
+        self._early = []
 
     def info(self, msg: str) -> None:
         """A line on the console and in log.txt."""
         if not self.active:
             return
-        if self._bar is not None:
-            self._bar.write(msg, file=self.stream)
-        else:
-            print(msg, file=self.stream, flush=True)
-        assert self._log is not None
-        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
-        self._log.flush()
+        bar = self._bar
+        self._console(
+            lambda: bar.write(msg, file=self.stream) if bar else print(msg, file=self.stream, flush=True)
+        )
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n"
+        if self._log is None:
+            self._early.append(line)
+            return
+        with naming(self.out_dir / "log.txt"):
+            self._log.write(line)
+            self._log.flush()
+
+    def _console(self, write) -> None:
+        """Write to the console unless it went away; a closed pipe ends the printing, never the run."""
+        if self.stream is None:
+            return
+        try:
+            write()
+        except (BrokenPipeError, ValueError):  # the reader exited / the stream was closed
+            self.stream, self.tty, self._bar = None, False, None
+            silence_stdout()
 
     def epoch_start(self, epoch: int, epochs: int, steps: int, initial: int = 0) -> None:
         """A progress bar over the epoch's `steps` optimizer steps (on a terminal), `initial` of them done."""
-        if self.active and self.tty:
+        if self.active and self.tty and self.stream is not None:
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -112,10 +163,11 @@ class RunLog:
         if not self.active:
             return
         if self._bar is not None:
-            self._bar.update(1)
+            bar = self._bar
+            self._console(lambda: bar.update(1))
             if sums is not None and step_in_epoch % every == 0:
                 loss, acc, _ = sums.local()
-                self._bar.set_postfix(loss=f"{loss:.3f}", acc=f"{100 * acc:.2f}%")
+                self._console(lambda: bar.set_postfix(loss=f"{loss:.3f}", acc=f"{100 * acc:.2f}%"))
         elif sums is not None and (step_in_epoch % every == 0 or step_in_epoch == steps):
             loss, acc, _ = sums.local()
             w = len(str(steps))
@@ -125,14 +177,15 @@ class RunLog:
 
     def epoch_end(self) -> None:
         if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+            bar, self._bar = self._bar, None
+            self._console(bar.close)
 
     def metrics(self, row: dict[str, Any]) -> None:
         """Append one epoch's line to metrics.jsonl (fsynced) and its scalars to TensorBoard."""
         if not self.active:
             return
-        with open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        path = self.out_dir / "metrics.jsonl"
+        with naming(path), open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

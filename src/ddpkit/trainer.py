@@ -14,7 +14,6 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn as nn
 
 from ddpkit import config as config_mod
 from ddpkit import data, models, optim
-from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
     all_reduce_sum,
@@ -41,6 +40,7 @@ from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.distributed.strategy import Strategy, build_strategy, ddp_options
 from ddpkit.errors import UserError, first_line
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.rundir import RunDir
 from ddpkit.train_state import TrainState
 
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,8 +86,9 @@ def load_weights(
         strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
-            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e)}",
-            "use the model.* settings it was trained with, or start afresh with checkpoint.resume=none",
+            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
+            "use the model.* settings it was trained with, or start afresh in another out_dir "
+            "(or with checkpoint.overwrite=true, which moves the earlier run aside)",
         ) from None
 
 
@@ -111,8 +112,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: DistContext, heartbeat: Heartbeat | None = None):
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
-        self.log = RunLog(cfg.out_dir, active=ctx.is_main)
+        self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
+        self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
         self.build()
@@ -158,8 +160,10 @@ class Trainer:
         """
         state = self.state
         with self._closing(), explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step), self.stop:
-            self._write_config()
-            self.resume()
+            # every check (out_dir, data, the checkpoint to continue from) passes before the first write
+            source, ckpt = self.run_dir.open(config_mod.to_yaml(self.cfg), self._check_inputs)
+            if ckpt is not None:
+                self._resumed(source, ckpt)
             self.log.info(self._banner())
             last: dict[str, Any] = {}
             while self._more_to_train():
@@ -273,11 +277,22 @@ class Trainer:
         self.stop.checkpointed()
         barrier()  # nobody reads a checkpoint before it is complete
 
-    def resume(self) -> None:
-        """Rank 0 picks the checkpoint to continue from (if any) and tells the others; every rank loads it."""
-        path = broadcast_object(self._resume_path() if self.ctx.is_main else None)
+    def _check_inputs(self, source: str | None) -> dict[str, Any] | None:
+        """The checks that need the built parts: a first sample decodes, the checkpoint loads and fits."""
+        if self.ctx.is_main:
+            data.check_decodable(self.train_set, self.val_set)
+        return self._load(source) if source else None
+
+    def resume(self, path: str | None = None) -> None:
+        """Continue from `path` (default: the newest complete checkpoint in out_dir, which rank 0 picks)."""
         if path is None:
-            return
+            found = self.ckpt.newest_complete(warn=self.log.info) if self.ctx.is_main else None
+            path = broadcast_object(str(found[0]) if found else None)
+        if path is not None:
+            self._resumed(path, self._load(path))
+
+    def _load(self, path: str) -> dict[str, Any]:
+        """A checkpoint into the model, optimizer, schedule, scaler and train state on every rank (no writes)."""
         ckpt = load_checkpoint(path, map_location="cpu", require=TRAIN_KEYS)
         load_weights(self.strategy, self.wrapped, ckpt, path, self.cfg.model.arch, self.optimizer)
         if "scheduler" in ckpt:
@@ -286,6 +301,9 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.state.load_state_dict(ckpt)
         self.strategy.load_hook_state(self._my_hook_state(ckpt.get("comm_hook")))
+        return ckpt
+
+    def _resumed(self, path: str, ckpt: dict[str, Any]) -> None:
         row = ckpt.get("metrics_row")
         # metrics.jsonl keeps the lines of the epochs this checkpoint finished; a run that ended mid-epoch at
         # train.max_steps also keeps that epoch's line, unless training goes on (the line comes again, whole).
@@ -316,16 +334,6 @@ class Trainer:
             f"ddpkit: PowerSGD's error feedback was saved on {len(saved)} ranks, not {self.ctx.world_size}: it restarts from zero"
         )
         return shared
-
-    def _resume_path(self) -> str | None:
-        choice = self.cfg.checkpoint.resume
-        if choice == "none":
-            return None
-        if choice != "auto":
-            load_checkpoint(choice, require=TRAIN_KEYS)  # fail here, once, with a clear message
-            return choice
-        found = self.ckpt.newest_complete(warn=self.log.info)
-        return str(found[0]) if found else None
 
     # ---- small parts of the recipe ------------------------------------------------------------
     def _more_to_train(self) -> bool:
@@ -358,6 +366,7 @@ class Trainer:
             **val,
             "epoch_time_s": round(elapsed, 4),
             "train_images_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
+            "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
         }
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
@@ -386,16 +395,13 @@ class Trainer:
             self.log.info(f"curves: {write_curves(self.cfg.out_dir)}")
         return last
 
-    def _write_config(self) -> None:
-        if self.ctx.is_main:
-            save_text(Path(self.cfg.out_dir) / "config.yaml", config_mod.to_yaml(self.cfg))
-
     @contextlib.contextmanager
     def _closing(self):
         try:
             yield
         finally:
             self.log.close()
+            self.run_dir.close()
             if self._own_heartbeat:
                 self.heartbeat.close()
 
@@ -430,9 +436,11 @@ def evaluate(
             model(dummy if dummy is not None else _dummy_input(loader, device))
             continue
         x, y = to_device(*next(batches), device, channels_last)
-        dummy = x[:1]
+        dummy = x[:1] if len(x) else dummy
         with autocast():
             logits = model(x).float()
+        if not len(y):  # every sample of the batch was undecodable and left out (data.skip_corrupt)
+            continue
         hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
         sums += torch.stack(
             [
@@ -453,7 +461,8 @@ def evaluate(
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:
-    x, _ = loader.dataset[0]
+    ds = loader.dataset
+    x, _ = ds.first_decodable() if isinstance(ds, data.CheckedSamples) and ds.skip else ds[0]
     return x.unsqueeze(0).to(device)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.commands.train import preflight  # noqa: F401  (the same checks as train)
+from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
 from ddpkit.config import Config, load_config
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.strategy import Strategy

@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ddpkit.config import Config
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.errors import UserError
+
+
+def check_inputs(cfg: Config) -> None:
+    """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
+    from ddpkit import data, models
+    from ddpkit.checkpoint import check_file
+
+    data.check_available(cfg)
+    models.check_arch(cfg)
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        check_file(cfg.checkpoint.resume)
 
 
 def preflight(cfg: Config) -> None:
-    """Checks that run before any worker starts or any file is written."""
-    from ddpkit import data, models
+    """Checks that run before any worker starts or any file is written: the inputs, then out_dir (a folder we
+    may write, held by no live run, and holding no earlier run that this one would overwrite)."""
+    from ddpkit import rundir
 
-    out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out_dir '{out}' exists and is not a folder", "choose another out_dir")
-    data.check_available(cfg)
-    models.check_arch(cfg)
-    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_file():
-        raise UserError(
-            f"checkpoint.resume '{cfg.checkpoint.resume}' does not exist",
-            "use auto, none or a checkpoint file",
-        )
+    check_inputs(cfg)
+    rundir.preflight(cfg)
 
 
 def train_command(cfg: Config, args, ctx: DistContext) -> int:

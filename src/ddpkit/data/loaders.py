@@ -281,6 +281,8 @@ def build_loaders(
     cfg: Config, rank: int, world_size: int, train_ds: Dataset, val_ds: Dataset
 ) -> tuple[DistributedLoader, DataLoader]:
     """The trainer's (train, val) loaders from cfg.train, cfg.eval, cfg.data and cfg.seed."""
+    from ddpkit.data.checked import collate_for
+
     workers = cfg.data.num_workers
     common = {"num_workers": workers, "pin_memory": cfg.data.pin_memory, "persistent_workers": workers > 0}
     train = DistributedLoader(
@@ -291,9 +293,15 @@ def build_loaders(
         grad_accum_steps=cfg.train.grad_accum_steps,
         rank=rank,
         world_size=world_size,
+        collate_fn=collate_for(train_ds, training=True),
         **common,
     )
     val = eval_loader(
-        val_ds, cfg.eval.batch_size or cfg.train.batch_size, rank=rank, world_size=world_size, **common
+        val_ds,
+        cfg.eval.batch_size or cfg.train.batch_size,
+        rank=rank,
+        world_size=world_size,
+        collate_fn=collate_for(val_ds, training=False),
+        **common,
     )
     return train, val

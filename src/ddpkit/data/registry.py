@@ -159,7 +159,8 @@ def _labels_present(ds: Dataset) -> int:
 
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
-    """(train set, augmented when cfg.data.augment; val set, never augmented; DataSpec) for cfg.data."""
+    """(train set, augmented when cfg.data.augment; val set, never augmented; DataSpec) for cfg.data; sets read
+    from files come wrapped so that an undecodable sample is a one-line error or, with data.skip_corrupt, skipped."""
     from ddpkit.distributed.collectives import rank_zero_first
 
     entry = get_dataset(cfg.data.dataset)
@@ -183,6 +184,10 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
             f"model.num_classes={want} but the {entry.title} data has {present} classes",
             f"set model.num_classes={present} or leave it unset (null) to take it from the data",
         )
+    from ddpkit.data.checked import checked
+
+    skip = cfg.data.skip_corrupt
+    train, val = checked(splits.train, "training", skip), checked(splits.val, "validation", skip)
     spec = DataSpec(
         num_classes=present,
         in_channels=splits.in_channels,
@@ -190,4 +195,4 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
         train_size=len(splits.train),  # type: ignore[arg-type]
         val_size=len(splits.val),  # type: ignore[arg-type]
     )
-    return splits.train, splits.val, spec
+    return train, val, spec
