@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -58,7 +59,8 @@ def test_the_rank_that_stopped_beating_is_named_with_its_last_step():
     rank0, rank1 = run_group(_stale_peer, 2)
     assert rank0["read"] == rank1["read"] == [0, 1]  # every rank sees every rank's beat
     assert rank0["failure"].startswith("rank 0 gave up on a collective at step 12 (")
-    assert "stopped responding: rank 1 (last heartbeat at step 7, " in rank0["failure"]
+    host = socket.gethostname()  # the host names where the rank ran: the one a user must look at
+    assert f"stopped responding: rank 1 on {host} (last heartbeat at step 7, " in rank0["failure"]
     assert rank0["passed_through"]
     assert rank0["stopped"] and rank1["stopped"]
 

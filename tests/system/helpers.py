@@ -57,6 +57,17 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+def all_ok(results: list[subprocess.CompletedProcess]) -> list[str]:
+    """Assert every process exited 0, showing the output of each one that did not (a node's failure often
+    shows only as 'connection closed by peer' on the other); their stdouts."""
+    bad = [(i, r) for i, r in enumerate(results) if r.returncode != 0]
+    assert not bad, "\n".join(
+        f"=== process {i}: exit {r.returncode}\n--- stdout\n{tail(r.stdout)}\n--- stderr\n{tail(r.stderr)}"
+        for i, r in bad
+    )
+    return [r.stdout for r in results]
+
+
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """Wait for started processes (text pipes); their results. Kills them all if one hangs."""
     results = []
