@@ -143,7 +143,7 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
         startup.publish()  # the workers measure their start-up from ours
         preload = getattr(command.module, "preload", None)
-        if spec.launcher != "spawn" and preload is not None:
+        if spec.launcher != "spawn" and preload is not None and warm_start.main_is_ddpkit():
             set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
             warm_start.start(
                 preload(cfg)

@@ -25,12 +25,13 @@ FIELDS = ("startup_s", *(f"startup_{stage}_s" for stage, _ in STAGES))
 
 _marks: dict[str, float] = {}
 _imported_at = time.time()  # fallback for the process start where /proc cannot say
+_own_start: float | None = None
 
 
 def _reset_after_fork() -> None:
-    global _imported_at
+    global _imported_at, _own_start
     _marks.clear()
-    _imported_at = time.time()
+    _imported_at, _own_start = time.time(), None
 
 
 if hasattr(os, "register_at_fork"):
@@ -86,7 +87,10 @@ def command_start(environ=os.environ) -> float:
 
 def this_process_start() -> float:
     """When this process started (the time this module was imported where /proc is missing)."""
-    return process_start() or _imported_at
+    global _own_start
+    if _own_start is None:
+        _own_start = process_start() or _imported_at
+    return _own_start
 
 
 def publish(environ=os.environ) -> None:

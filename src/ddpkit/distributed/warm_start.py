@@ -32,6 +32,17 @@ def available() -> bool:
     return os.environ.get(DISABLE_VAR, "1") != "0" and "forkserver" in multiprocessing.get_all_start_methods()
 
 
+def main_is_ddpkit() -> bool:
+    """Whether this program is `python -m ddpkit` or the `ddpkit` script: a forked worker imports the
+    program's main module again (as multiprocessing does), which must not run anything; a user's script that
+    calls ddpkit.cli.main() itself may not be guarded by `if __name__ == "__main__"`."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return name == "ddpkit.__main__"
+    return os.path.basename(getattr(main, "__file__", "") or "") == "ddpkit"
+
+
 def start(modules: Iterable[str]) -> bool:
     """Start the fork server importing `modules` in the background (call before importing torch); False
     when warm starts are not available."""
