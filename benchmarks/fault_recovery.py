@@ -112,14 +112,12 @@ class Run:
         return None
 
     def workers(self) -> list[int]:
-        """The launcher's worker processes, in start (= rank) order."""
-        kids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            try:
-                kids += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        return sorted(k for k in kids if _is_ddpkit(k))
+        """The launcher's worker processes (its fork server's children under a warm start), in start (= rank)
+        order."""
+        kids = _children(self.proc.pid)
+        servers = [k for k in kids if _cmdline_has(k, b"multiprocessing.forkserver")]
+        kids = [k for k in kids if k not in servers] + [w for s in servers for w in _children(s)]
+        return sorted(k for k in kids if _cmdline_has(k, b"ddpkit"))
 
     def wait(self, timeout: float) -> int:
         try:
@@ -138,9 +136,19 @@ class Run:
         return next((self.t0 + t for t, line in list(self.lines) if fragment in line), None)
 
 
-def _is_ddpkit(pid: int) -> bool:
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _cmdline_has(pid: int, word: bytes) -> bool:
     try:
-        return b"ddpkit" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return word in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -56,13 +56,17 @@ def children(pid: int) -> list[int]:
 
 
 def workers(launcher_pid: int) -> list[int]:
+    """The launcher's children that run ddpkit, or the children of its fork server (warm start)."""
     out = []
     for c in children(launcher_pid):
         try:
-            if b"ddpkit" in Path(f"/proc/{c}/cmdline").read_bytes():
-                out.append(c)
+            cmdline = Path(f"/proc/{c}/cmdline").read_bytes()
         except OSError:
-            pass
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            out += children(c)
+        elif b"ddpkit" in cmdline:
+            out.append(c)
     return out
 
 

@@ -1,35 +1,36 @@
 """ddpkit: one PyTorch training script, from one process to many GPUs on many machines.
 
-The public API. Heavy parts (trainer, data sets, models) load on first use, so `import ddpkit` stays light
-(no torchvision, no scikit-learn).
+The public API. Every name but UserError loads on first use, so `import ddpkit` imports no torch: the command
+line starts its workers before it pays for torch.
 """
 
-from ddpkit.distributed import (
-    DistContext,
-    DistEnv,
-    all_gather_object,
-    all_reduce_mean,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    detect_env,
-    gather,
-    gather_object,
-    get_rank,
-    get_world_size,
-    init_distributed,
-    is_main_process,
-    rank_zero_first,
-    seed_everything,
-    seed_model_init,
-    seed_rank,
-    shutdown,
-)
 from ddpkit.errors import UserError
 
 __version__ = "0.1.0"
 
+_COLLECTIVES = (
+    "all_gather_object",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "gather",
+    "gather_object",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "rank_zero_first",
+    "seed_everything",
+    "seed_model_init",
+    "seed_rank",
+)
 _LAZY = {
+    "DistContext": "ddpkit.distributed.runtime",
+    "init_distributed": "ddpkit.distributed.runtime",
+    "shutdown": "ddpkit.distributed.runtime",
+    "DistEnv": "ddpkit.distributed.env",
+    "detect_env": "ddpkit.distributed.env",
+    **dict.fromkeys(_COLLECTIVES, "ddpkit.distributed.collectives"),
     "Config": "ddpkit.config",
     "load_config": "ddpkit.config",
     "Trainer": "ddpkit.trainer",
@@ -59,26 +60,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = [
-    "DistContext",
-    "DistEnv",
-    "UserError",
-    "all_gather_object",
-    "all_reduce_mean",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "detect_env",
-    "gather",
-    "gather_object",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_main_process",
-    "rank_zero_first",
-    "seed_everything",
-    "seed_model_init",
-    "seed_rank",
-    "shutdown",
-    *_LAZY,
-]
+__all__ = ["UserError", *_LAZY]

@@ -128,17 +128,36 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
-    from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args, worker_argv
+    from ddpkit import startup
+    from ddpkit.distributed import warm_start
+    from ddpkit.distributed.launch import (
+        launch_elastic,
+        launch_spawn,
+        set_thread_env,
+        spec_from_args,
+        worker_argv,
+    )
 
     spec = spec_from_args(args)
     if spec.starts_workers:
         from ddpkit.distributed.env import DistEnv
 
-        preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
-        if spec.launcher == "spawn":
-            launch_spawn(spec, worker_argv(argv), run)
-        else:
-            launch_elastic(spec, ["-u", "-m", "ddpkit", *worker_argv(argv)])
+        startup.publish()  # the workers measure their start-up from ours
+        preload = getattr(command.module, "preload", None)
+        if spec.launcher != "spawn" and preload is not None and warm_start.main_is_ddpkit():
+            set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
+            warm_start.start(
+                preload(cfg)
+            )  # it imports torch for the workers while we import it for the agent
+        try:
+            preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
+            if spec.launcher == "spawn":
+                launch_spawn(spec, worker_argv(argv), run)
+            else:
+                python_args = ["-u", "-m", "ddpkit", *worker_argv(argv)]
+                launch_elastic(spec, python_args, warm=(main, worker_argv(argv)))
+        finally:
+            warm_start.stop()
         return 0
 
     from ddpkit.distributed.env import detect_env, manual_env
@@ -146,7 +165,9 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
     env = manual_env(spec.init_method, spec.rank, spec.world_size) if spec.init_method else detect_env()
     preflight(command, cfg, env)
+    startup.mark("imported")
     ctx = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s, env)
+    startup.mark("rendezvous")
     try:
         return int(command.function(cfg, args, ctx) or 0)
     finally:

@@ -103,7 +103,9 @@ def load_state(
     """
     unknown = sorted(set(objects) - set(STATEFUL))
     if unknown:
-        raise TypeError(f"load_state() got unexpected keyword(s) {unknown}; it restores {', '.join(STATEFUL)}")
+        raise TypeError(
+            f"load_state() got unexpected keyword(s) {unknown}; it restores {', '.join(STATEFUL)}"
+        )
     state = load_checkpoint(path, map_location="cpu", require=("model",))
     if state.get("format") != FORMAT:
         raise UserError(f"'{path}' was not written by ddpkit.save_state", "give a file that save_state wrote")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit import data, models, optim
+from ddpkit import data, models, optim, startup
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
@@ -112,6 +112,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: DistContext, heartbeat: Heartbeat | None = None):
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
+        startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
+        self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
@@ -127,6 +129,7 @@ class Trainer:
         """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
         cfg, ctx = self.cfg, self.ctx
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
+        startup.mark("data")
         self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
         self.strategy = build_strategy(
             cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
@@ -151,6 +154,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
         self.autocast = make_autocast(self.device, cfg.train.amp)
+        startup.mark("model")
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -193,6 +197,10 @@ class Trainer:
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
             for done in range(first + 1, first + len(self.train_loader) // accum + 1):
                 self.train_step(itertools.islice(micro_batches, accum))
+                if self.startup is None:  # this process's first optimizer step: say how long it took
+                    startup.mark("first_step")
+                    self.startup = startup.measure()
+                    self.log.info(startup.describe(self.startup))
                 self.log.step(
                     done, self.steps_per_epoch, epoch, cfg.train.epochs, state.sums, cfg.train.log_every
                 )
@@ -367,7 +375,15 @@ class Trainer:
             "epoch_time_s": round(elapsed, 4),
             "train_images_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
             "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            **self._startup_once(),
         }
+
+    def _startup_once(self) -> dict[str, float]:
+        """The start-up fields for this process's first metrics line, nothing for the others."""
+        if not self.startup:
+            return {}
+        fields, self.startup = self.startup, {}
+        return fields
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
         val = row["val_loss"] is not None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ddpkit.config import Config
-from ddpkit.distributed.health import Heartbeat, explain_comm_failures
-from ddpkit.distributed.runtime import DistContext
+
+if TYPE_CHECKING:  # torch loads when the command runs, not when its flags are parsed
+    from ddpkit.distributed.runtime import DistContext
 
 
 def check_inputs(cfg: Config) -> None:
@@ -27,8 +30,19 @@ def preflight(cfg: Config) -> None:
     rundir.preflight(cfg)
 
 
+def preload(cfg: Config) -> list[str]:
+    """The modules every worker imports: a launch imports them once, before the workers start."""
+    # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
+    modules = ["torch", "ddpkit.cli", "ddpkit.trainer", "torch._dynamo", "torch.utils.tensorboard"]
+    modules += ["torch.distributed.elastic.multiprocessing.api", "ddpkit.config_yaml", "ddpkit.data.builtin"]
+    if cfg.model.arch not in ("cnn", "mlp") or cfg.data.dataset not in ("digits", "synthetic"):
+        modules.append("torchvision")
+    return modules  # not matplotlib: rank 0 alone draws curves.png, once training has ended
+
+
 def train_command(cfg: Config, args, ctx: DistContext) -> int:
     """`ddpkit train`."""
+    from ddpkit.distributed.health import Heartbeat, explain_comm_failures
     from ddpkit.trainer import Trainer
 
     with Heartbeat(ctx.rank, ctx.world_size) as heartbeat:

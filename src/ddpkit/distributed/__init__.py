@@ -1,47 +1,43 @@
-"""The distributed runtime: launcher detection, process-group setup, launching, collectives helpers."""
+"""The distributed runtime: launcher detection, process-group setup, launching, collectives helpers.
 
-from ddpkit.distributed.collectives import (
-    all_gather_object,
-    all_reduce_mean,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    derive_seed,
-    gather,
-    gather_object,
-    get_rank,
-    get_world_size,
-    is_main_process,
-    rank_zero_first,
-    seed_everything,
-    seed_model_init,
-    seed_rank,
-)
-from ddpkit.distributed.env import DistEnv, detect_env, expand_nodelist, parse_nodelist
-from ddpkit.distributed.runtime import DistContext, init_distributed, resolve_device_backend, shutdown
+Names load on first use (PEP 562), so `import ddpkit.distributed.launch` imports no torch.
+"""
 
-__all__ = [
-    "DistContext",
-    "DistEnv",
-    "all_gather_object",
-    "all_reduce_mean",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "derive_seed",
-    "detect_env",
-    "expand_nodelist",
-    "gather",
-    "gather_object",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_main_process",
-    "parse_nodelist",
-    "rank_zero_first",
-    "resolve_device_backend",
-    "seed_everything",
-    "seed_model_init",
-    "seed_rank",
-    "shutdown",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    **dict.fromkeys(
+        (
+            "all_gather_object",
+            "all_reduce_mean",
+            "all_reduce_sum",
+            "barrier",
+            "broadcast_object",
+            "derive_seed",
+            "gather",
+            "gather_object",
+            "get_rank",
+            "get_world_size",
+            "is_main_process",
+            "rank_zero_first",
+            "seed_everything",
+            "seed_model_init",
+            "seed_rank",
+        ),
+        "collectives",
+    ),
+    **dict.fromkeys(("DistEnv", "detect_env", "expand_nodelist", "parse_nodelist"), "env"),
+    **dict.fromkeys(("DistContext", "init_distributed", "resolve_device_backend", "shutdown"), "runtime"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"ddpkit.distributed.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'ddpkit.distributed' has no attribute {name!r}")
+
+
+__all__ = sorted(_WHERE)

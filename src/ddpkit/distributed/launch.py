@@ -15,7 +15,9 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
+from ddpkit.distributed import warm_start
 from ddpkit.distributed.netif import hosted_endpoint, use_interface
 from ddpkit.distributed.peers import name_lost_nodes, watch
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
@@ -217,8 +219,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _set_thread_env(nproc: int) -> None:
-    # As torchrun does: several CPU workers on one node must not each start a thread per core.
+def set_thread_env(nproc: int) -> None:
+    """As torchrun does: several CPU workers on one node must not each start a thread per core."""
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
@@ -279,14 +281,22 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     return e
 
 
-def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
-    """Run `python PYTHON_ARGS` on nproc_per_node workers per node via torch's elastic agent (as torchrun does)."""
+def launch_elastic(
+    spec: LaunchSpec,
+    python_args: Sequence[str],
+    warm: tuple[Callable[[list[str]], Any], list[str]] | None = None,
+) -> None:
+    """Run `python PYTHON_ARGS` on nproc_per_node workers per node via torch's elastic agent (as torchrun does).
+
+    `warm` = (fn, argv): when warm_start.start() ran, each worker is instead forked from its fork server and
+    runs fn(argv), as `python PYTHON_ARGS` would have run it.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nproc = spec.nproc_per_node or 1
-    _set_thread_env(nproc)
+    set_thread_env(nproc)
     if spec.rdzv_endpoint:  # c10d: any node may start first; the rendezvous assigns node ranks
         backend, endpoint = spec.rdzv_backend or "c10d", spec.rdzv_endpoint
         run_id = spec.rdzv_id or os.environ.get("SLURM_JOB_ID") or "ddpkit"
@@ -307,6 +317,10 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
         backend, endpoint, run_id = "static", f"{addr}:{port}", "ddpkit"
         configs = {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}
     use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
+    entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
+    if warm is not None and warm_start.running():
+        entrypoint, start_method = warm_start.worker, "forkserver"
+        args = (warm[0], list(warm[1]), warm_start.LaunchEnviron())
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -317,14 +331,12 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
         rdzv_configs=configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
-    )
-    logging.getLogger("torch.distributed.elastic").setLevel(
-        logging.INFO if os.environ.get("DDPKIT_DEBUG") else logging.ERROR
+        start_method=start_method,
     )
     watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
+    quiet_agent_logs(debug=bool(os.environ.get("DDPKIT_DEBUG")))
     try:
-        elastic_launch(config, sys.executable)(*python_args)
+        elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes and all(c == PREEMPTED_EXIT for c in codes.values()):
@@ -346,6 +358,24 @@ def launch_elastic(spec: LaunchSpec, python_args: Sequence[str]) -> None:
         raise err from None
 
 
+class _NoTraceback(logging.Filter):
+    """The agent reports a worker forked from the fork server that failed with a traceback of its own join;
+    the worker started as a program gets one line: keep the line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_agent_logs(debug: bool) -> None:
+    """torch's agent says only what went wrong (one line per failed worker), unless DDPKIT_DEBUG is set."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO if debug else logging.ERROR)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.INFO if debug else logging.ERROR)
+    api = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not debug and not any(isinstance(f, _NoTraceback) for f in api.filters):
+        api.addFilter(_NoTraceback())
+
+
 def _spawn_entry(
     local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]
 ) -> None:
@@ -362,7 +392,7 @@ def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]]
     import torch.multiprocessing as mp
 
     nproc = spec.nproc_per_node or 1
-    _set_thread_env(nproc)
+    set_thread_env(nproc)
     addr = spec.master_addr or "127.0.0.1"
     port = spec.master_port or (free_port() if spec.nnodes == 1 else 29500)
     env = {

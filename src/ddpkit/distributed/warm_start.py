@@ -1,0 +1,121 @@
+"""Workers that start with torch already imported: torch's elastic agent forks them from a fork server.
+
+Without it a launch pays for torch twice in a row: the launcher imports it to run the elastic agent, then each
+worker it starts imports it again. Here the launcher starts multiprocessing's fork server first, before it
+imports torch itself; the server imports torch and the command's modules while the launcher imports torch
+and runs the rendezvous, on another core, and the agent then gets each worker as a fork of the server
+(`start_method="forkserver"`, the function entry point of torch's elastic launcher). A worker then makes
+itself what `python -u -m ddpkit ARGV` started by the agent would be: the same environment (the launcher's,
+plus what the agent sets for each rank), the same sys.argv, unbuffered output, the signals given back, an
+uncaught exception printed with exit status 1, and atexit handlers run at the end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from multiprocessing import forkserver
+from typing import Any
+
+DISABLE_VAR = "DDPKIT_WARM_START"  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
+SERVER = "ddpkit.distributed.warm_server"
+_started = False
+
+
+def available() -> bool:
+    """Whether workers can be forked from a fork server here (not on Windows, not when the user said 0)."""
+    return os.environ.get(DISABLE_VAR, "1") != "0" and "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def main_is_ddpkit() -> bool:
+    """Whether this program is `python -m ddpkit` or the `ddpkit` script: a forked worker imports the
+    program's main module again (as multiprocessing does), which must not run anything; a user's script that
+    calls ddpkit.cli.main() itself may not be guarded by `if __name__ == "__main__"`."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return name == "ddpkit.__main__"
+    return os.path.basename(getattr(main, "__file__", "") or "") == "ddpkit"
+
+
+def start(modules: Iterable[str]) -> bool:
+    """Start the fork server importing `modules` in the background (call before importing torch); False
+    when warm starts are not available."""
+    global _started
+    if not available():
+        return False
+    forkserver.set_forkserver_preload([SERVER, *modules])
+    with _environ(PYTHONUNBUFFERED="1"):  # what `python -u` gives the workers
+        forkserver.ensure_running()
+    _started = True
+    return True
+
+
+def running() -> bool:
+    """Whether start() started the fork server in this process."""
+    return _started
+
+
+def stop() -> None:
+    """End the fork server now (the launch failed before any worker started): it holds our stdout open."""
+    global _started
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if _started and pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        forkserver._forkserver._stop()
+    _started = False
+
+
+class LaunchEnviron:
+    """The launcher's environment, taken when the agent starts a worker (as the agent copies it for a
+    worker it starts as a program)."""
+
+    def __reduce__(self):
+        return dict, (dict(os.environ),)
+
+
+def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, str]) -> None:
+    """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
+    from ddpkit.distributed import warm_server
+
+    agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**environ, **agent})
+    sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *argv]
+    if not sys.flags.safe_path:
+        sys.path[0] = os.getcwd()  # what `python -m` puts first
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, warm_server.HELD)
+    code: Any = 0
+    try:
+        fn(argv)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # what the interpreter does with an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()  # the worker ends with os._exit: run them as a normal exit would
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code:
+        raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
