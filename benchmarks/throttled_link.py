@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="images per process and step")
     p.add_argument(
         "--bucket-cap-mb", type=float, default=64,
-        help="DDP's bucket size (default: one bucket for resnet18: torch's PowerSGD hook on gloo orders the "
-        "collectives of several buckets differently on different ranks and crashes)",
+        help="DDP's bucket size (default: resnet18 in one bucket, so that every compression sends one message a "
+        "step; with several, ddpkit's PowerSGD hook on gloo runs the buckets one after another)",
     )  # fmt: skip
     p.add_argument(
         "--seeds", type=int, nargs="*", default=[0, 1, 2], help="digits accuracy seeds (none: skip)"

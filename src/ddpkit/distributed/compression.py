@@ -101,6 +101,10 @@ class PowerSGDHook:
     def __init__(self, state: Any, names: dict[int, str]):
         self.state = state
         self.names = names  # id(parameter) -> its name in the model
+        # On gloo the buckets go one at a time: torch's hook issues a bucket's second all-reduce from a callback
+        # thread, and gloo needs every rank to issue its collectives in the same order.
+        self.serial = torch.distributed.get_backend(state.process_group) == "gloo"
+        self._previous: Any = None  # the last bucket's future (serial only)
         self.layout: dict[
             int, tuple[list[str], list[torch.Size]]
         ] = {}  # the layout each bucket's state is in
@@ -121,7 +125,12 @@ class PowerSGDHook:
         self.layout[index] = layout
         if self.pool and index not in self.state.error_dict:
             self._assemble(index, bucket.buffer().device)
-        return powerSGD_hook(state, bucket)
+        if self.serial and self._previous is not None:
+            self._previous.wait()  # the previous bucket's collectives have all been issued and done
+        future = powerSGD_hook(state, bucket)
+        if self.serial:
+            self._previous = future
+        return future
 
     def _split(self, index: int) -> dict[str, dict[str, torch.Tensor]]:
         """Bucket `index`'s state cut per parameter (and removed from the bucket)."""
