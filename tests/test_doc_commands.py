@@ -314,27 +314,68 @@ def _ddpkit_words(command: str) -> tuple[list[str], bool] | None:
 DDPKIT_LINES = sorted(c for c in doc_commands() if _ddpkit_words(c))
 
 
-@pytest.mark.parametrize("command", DDPKIT_LINES)
-def test_every_ddpkit_line_parses_as_the_cli_parses_it(command, monkeypatch):
-    from ddpkit.cli import _load, parse
+def assert_parses(shown: str, words: list[str], launched_elsewhere: bool) -> None:
+    """`ddpkit WORDS` parses as the CLI parses it: flags, config keys and values, launch flags, the script."""
+    from ddpkit.cli import _load, command_parser, parse
     from ddpkit.commands import COMMANDS
     from ddpkit.commands.run import _parser, split
     from ddpkit.distributed.launch import spec_from_args
 
-    words, launched_elsewhere = _ddpkit_words(command)
-    monkeypatch.chdir(REPO)  # the docs' paths (configs/...) are the repository's
     try:
         if COMMANDS[words[0]].mode == "script":
             flags, target = split(words[1:])
-            args = _parser().parse_args(flags)
+            parser = _parser()
+            args = parser.parse_args(flags)
             assert Path(target[0]).is_file(), target
         else:
-            command_, args = parse(words)
-            _load(command_, args)
+            flags = words[1:]
+            parser = command_parser(COMMANDS[words[0]])
+            command, args = parse(words)
+            _load(command, args)
         if hasattr(args, "nproc_per_node") and not launched_elsewhere:
             spec_from_args(args, environ={})
     except errors.UserError as e:
-        pytest.fail(f"{command!r}: ddpkit refuses it: {e}")
+        pytest.fail(f"{shown!r}: ddpkit refuses it: {e}")
+    # argparse takes a unique prefix of a flag too (`--nproc` for `--nproc-per-node`): the docs spell them out
+    abbreviated = [
+        f for f in flags if f.startswith("-") and f.split("=")[0] not in parser._option_string_actions
+    ]
+    assert not abbreviated, f"{shown!r}: write these flags in full: {abbreviated}"
+
+
+@pytest.mark.parametrize("command", DDPKIT_LINES)
+def test_every_ddpkit_line_parses_as_the_cli_parses_it(command, monkeypatch):
+    monkeypatch.chdir(REPO)  # the docs' paths (configs/...) are the repository's
+    assert_parses(command, *_ddpkit_words(command))
+
+
+# The prose's own `ddpkit CMD --flag ...` spans, with their capitalised placeholders filled in; a span of usage
+# syntax (`[launch flags]`, `CMD`) or a pipe is no command line.
+INLINE = re.compile(r"`((?:python -m )?ddpkit \w+ [^`]*[-=][^`]*)`")
+INLINE_VALUES = {"N": "2", "R": "0", "W": "2", "HOST": "10.0.0.1", "PORT": "29500", "JOB": "job-7"}
+INLINE_VALUES |= {"config.yaml": "configs/digits.yaml", "spawn_ddp.py": "tests/scripts/spawn_ddp.py"}
+# data.dataset=signs is the data set that docs/extending.md's own package registers: test_extending.py runs it.
+INLINE_ELSEWHERE = {"ddpkit train data.dataset=signs model.arch=mlp --nproc-per-node 2"}
+
+
+def inline_commands() -> list[str]:
+    spans = {m[1] for doc in DOCS for m in INLINE.finditer(doc.read_text())}
+    return sorted(s for s in spans if not re.search(r"\[|\||\bCMD\b", s) and s not in INLINE_ELSEWHERE)
+
+
+def test_the_prose_shows_the_inline_commands_this_test_reads():
+    spans = inline_commands()
+    assert "ddpkit train --init-method tcp://HOST:PORT --rank R --world-size W" in spans, spans
+    found = {m[1] for doc in DOCS for m in INLINE.finditer(doc.read_text())}
+    assert INLINE_ELSEWHERE <= found, "INLINE_ELSEWHERE names a span no longer in the docs"
+
+
+@pytest.mark.parametrize("span", inline_commands())
+def test_every_inline_ddpkit_command_parses(span, monkeypatch):
+    monkeypatch.chdir(REPO)
+    filled = re.sub(r"\b[A-Z]+\b|\b[\w.]+\.(?:yaml|py)\b", lambda m: INLINE_VALUES.get(m[0], m[0]), span)
+    words = [w for w in shlex.split(filled) if w != "..." and not w.endswith("=...")]
+    assert_parses(span, words[words.index("ddpkit") + 1 :], launched_elsewhere="..." in span)
 
 
 MAKE_LINES = sorted(c for c in doc_commands() if c.startswith("make "))
