@@ -64,6 +64,9 @@ RUN = {
     "registry.example.com/ddpkit:0.1 --name r18 --pvc ddpkit-runs --cpu 16 --memory 64Gi --data-pvc imagenet "
     "--backoff-limit 3 > r18.yaml": "test_k8s_manifest",
     "ddpkit run torchrun_ddp.py --epochs 3": "test_run_one_process",
+    # the pod's command: the one the line above writes (`...`: the config's values); test_k8s.py runs it
+    'python -m ddpkit train out_dir=runs/r18 ... data.root=/data --nproc-per-node 4 --nnodes 2 --node-rank "$RANK" '
+    '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"': "test_k8s_manifest",
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
@@ -113,11 +116,6 @@ COVERED = {
     ),
     "mpirun -np 2 ddpkit train": "tests/system/test_mpirun.py::test_mpirun_train_two_ranks_trains_one_job",
     "mpirun -np 2 python -m ddpkit train": "tests/system/test_mpirun.py::test_mpirun_train_two_ranks_trains_one_job",
-    # the pod's command, as `ddpkit k8s` writes it, run with the operator's variables
-    'python -m ddpkit train out_dir=runs/r18 ... data.root=/data --nproc-per-node 4 --nnodes 2 --node-rank "$RANK" '
-    '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"': (
-        "tests/test_k8s.py::test_k8s_command_starts_g_workers_per_pod_from_the_operator_variables"
-    ),
     "GLOO_SOCKET_IFNAME=ib0 NCCL_SOCKET_IFNAME=ib0 ddpkit train --nnodes 2 ...": (
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
@@ -526,7 +524,9 @@ def test_train_from_torchrun_variables(tmp_path):
 
 
 def test_k8s_manifest(tmp_path):
-    (line,) = commands_run_by("test_k8s_manifest")
+    line, pod_line = sorted(
+        commands_run_by("test_k8s_manifest"), key=lambda c: not c.startswith("ddpkit k8s")
+    )
     _, words = split_line(line)
     at = words.index(">")
     (out,) = finish(start(shlex.join(words[:at]), cwd=REPO))
@@ -542,6 +542,9 @@ def test_k8s_manifest(tmp_path):
     container = specs["Master"]["template"]["spec"]["containers"][0]
     assert container["image"] == "registry.example.com/ddpkit:0.1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    (shown,) = [ln.strip() for ln in container["command"][-1].splitlines() if ln.strip().startswith("python")]
+    before, after = pod_line.split(" ... ")
+    assert shown.startswith(before + " ") and shown.endswith(" " + after + " &"), (shown, pod_line)
 
 
 @pytest.mark.slow
