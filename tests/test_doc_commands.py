@@ -40,9 +40,9 @@ DIGITS_VAL = 359  # the validation split of the digits
 # (a) run by a test of this file (the value: its name). Why the form run here keeps the line's meaning is said
 # at the test.
 RUN = {
-    "ddpkit train": "test_train_one_process",
-    "ddpkit train --nproc-per-node 2": "test_train_two_local_workers",
-    "ddpkit train --nproc-per-node 2 --launcher spawn": "test_train_two_local_workers",
+    "ddpkit train": "test_train_one_process_and_two_workers",
+    "ddpkit train --nproc-per-node 2": "test_train_one_process_and_two_workers",
+    "ddpkit train --nproc-per-node 2 --launcher spawn": "test_train_two_spawned_workers",
     "torchrun --nproc-per-node 2 -m ddpkit train": "test_train_under_torchrun",
     "python -m torch.distributed.run --nproc-per-node 2 -m ddpkit train": "test_train_under_torchrun",
     "ddpkit eval checkpoint.path=runs/demo/checkpoints/best.pt --nproc-per-node 2": "test_eval_and_report",
@@ -445,52 +445,63 @@ def test_ctrl_c_is_130_as_cli_md_says():
 # ---------------------------------------------------------------------------------- (a) the lines run here
 
 
-def test_train_one_process(tmp_path):
-    (command,) = commands_run_by("test_train_one_process")
-    finish(start(command, *ONE_EPOCH, cwd=tmp_path))
-    assert_trained(tmp_path / "runs" / "default", 1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("command", commands_run_by("test_train_two_local_workers"))
-def test_train_two_local_workers(command, tmp_path):
-    finish(start(command, *ONE_EPOCH, cwd=tmp_path))
-    assert_trained(tmp_path / "runs" / "default", 2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("command", commands_run_by("test_train_under_torchrun"))
-def test_train_under_torchrun(command, tmp_path):
-    # torchrun's default port 29500 may be held by another run on a shared machine: a free one, told to it
-    # the way torchrun takes it (before `-m ddpkit`).
-    port = str(free_port())
-    env, words = split_line(command)
-    at = words.index("ddpkit") - 1
-    line = shlex.join([*words[:at], "--master-port", port, *words[at:]])
-    finish(start(line, *ONE_EPOCH, cwd=tmp_path, env=env))
-    assert_trained(tmp_path / "runs" / "default", 2)
-
-
-@pytest.mark.slow
-def test_eval_and_report(tmp_path):
-    # The runs the lines name, one epoch each: runs/a and runs/b, and runs/demo (as `make demo` writes it) a
-    # copy of runs/a, so that two trainings, not three, make them. Then the lines themselves, unchanged.
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A folder where the docs' `ddpkit train` and `ddpkit train --nproc-per-node 2` ran at once for one epoch,
+    into runs/a and runs/b (the runs the report lines compare)."""
+    folder = tmp_path_factory.mktemp("docs")
+    one, two = commands_run_by("test_train_one_process_and_two_workers")
     finish(
-        start("ddpkit train", *ONE_EPOCH, "out_dir=runs/a", cwd=tmp_path),
-        start("ddpkit train", *ONE_EPOCH, "out_dir=runs/b", "train.batch_size=16", cwd=tmp_path),
+        start(one, *ONE_EPOCH, "out_dir=runs/a", cwd=folder),
+        start(two, *ONE_EPOCH, "out_dir=runs/b", cwd=folder),
     )
-    shutil.copytree(tmp_path / "runs" / "a", tmp_path / "runs" / "demo")
+    return folder
+
+
+@pytest.mark.slow
+def test_train_one_process_and_two_workers(runs):
+    assert_trained(runs / "runs" / "a", 1)
+    assert_trained(runs / "runs" / "b", 2)
+
+
+@pytest.mark.slow
+def test_train_two_spawned_workers(tmp_path):
+    (command,) = commands_run_by("test_train_two_spawned_workers")
+    finish(start(command, *ONE_EPOCH, cwd=tmp_path))
+    assert_trained(tmp_path / "runs" / "default", 2)
+
+
+@pytest.mark.slow
+def test_train_under_torchrun(tmp_path):
+    # torchrun's default port 29500 may be held by another run on a shared machine: a free one each, told to
+    # it the way torchrun takes it (before `-m ddpkit`). The two lines run at once, each in its own folder.
+    procs = []
+    for i, command in enumerate(commands_run_by("test_train_under_torchrun")):
+        env, words = split_line(command)
+        at = words.index("ddpkit") - 1
+        line = shlex.join([*words[:at], "--master-port", str(free_port()), *words[at:]])
+        (tmp_path / str(i)).mkdir()
+        procs.append(start(line, *ONE_EPOCH, cwd=tmp_path / str(i), env=env))
+    finish(*procs)
+    for i in range(len(procs)):
+        assert_trained(tmp_path / str(i) / "runs" / "default", 2)
+
+
+@pytest.mark.slow
+def test_eval_and_report(runs):
+    # runs/demo (as `make demo` writes it) is a copy of runs/a; then the lines themselves, unchanged.
+    shutil.copytree(runs / "runs" / "a", runs / "runs" / "demo")
     evaluate, *reports = commands_run_by("test_eval_and_report")
-    scores = json.loads(finish(start(evaluate, cwd=tmp_path))[0].splitlines()[-1])
-    trained = json.loads((tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    scores = json.loads(finish(start(evaluate, cwd=runs))[0].splitlines()[-1])
+    trained = json.loads((runs / "runs" / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert scores["val_samples"] == DIGITS_VAL  # on 2 processes, every sample once
     assert scores["val_acc1"] == pytest.approx(trained["val_acc1"], abs=1e-9)  # the checkpoint's own score
     for line in reports:
-        finish(start(line, cwd=tmp_path))
-    assert "<table" in (tmp_path / "report.html").read_text()
-    table = json.loads((tmp_path / "cmp.json").read_text())
+        finish(start(line, cwd=runs))
+    assert "<table" in (runs / "report.html").read_text()
+    table = json.loads((runs / "cmp.json").read_text())
     assert len(table["runs"]) == 2, table
-    assert (tmp_path / "cmp.png").stat().st_size > 0 and "<table" in (tmp_path / "cmp.html").read_text()
+    assert (runs / "cmp.png").stat().st_size > 0 and "<table" in (runs / "cmp.html").read_text()
 
 
 @pytest.mark.slow
