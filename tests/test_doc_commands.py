@@ -158,7 +158,7 @@ NEEDS = {
 PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
-    "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",
+    "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
     "R": "0",
     "$RANK": "1",
     "$MASTER_ADDR": "10.0.0.1",
