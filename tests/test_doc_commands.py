@@ -405,43 +405,6 @@ def test_make_test_runs_this_suite():
     assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m pytest tests"
 
 
-# ----------------------------------------------------------------------------------- exit status tables
-
-
-def _exit_table(doc: str) -> dict[str, str]:
-    section = (REPO / "docs" / doc).read_text().split("## Exit status\n", 1)[1].split("\n## ", 1)[0]
-    rows = [ln for ln in section.splitlines() if ln.startswith("|")][2:]
-    return {cells[0]: cells[1] for cells in ([c.strip() for c in r.strip("|").split("|")] for r in rows)}
-
-
-def _program_codes() -> dict[int, str]:
-    """{exit code: the exception classes that end a command with it} from ddpkit.errors."""
-    codes: dict[int, str] = {}
-    for obj in vars(errors).values():
-        if isinstance(obj, type) and issubclass(obj, Exception) and hasattr(obj, "exit_code"):
-            codes.setdefault(obj.exit_code, "")
-            codes[obj.exit_code] += " " + obj.__name__
-    return codes
-
-
-@pytest.mark.parametrize("doc", ["cli.md", "reliability.md"])
-def test_exit_status_tables_are_the_programs_codes(doc):
-    table = _exit_table(doc)
-    codes = _program_codes()
-    assert {1: " Failure WorkerFailure TrainingFailure", 2: " UserError", 3: " Preempted"} == codes
-    documented = {int(k) for k in table if k.isdigit()}
-    extra = {130} if doc == "cli.md" else set()  # Ctrl-C in a single process (cli.main)
-    assert documented == {0, *codes, *extra}, table
-    assert "worker failed" in table["1"] and "user error" in table["2"] and "preempted" in table["3"].lower()
-
-
-def test_ctrl_c_is_130_as_cli_md_says():
-    source = (REPO / "src" / "ddpkit" / "cli.py").read_text()
-    assert re.search(r"except KeyboardInterrupt:[^\n]*\n(?:[^\n]*\n){0,3}\s*code = 130", source), (
-        "cli.md says Ctrl-C exits 130"
-    )
-
-
 # ---------------------------------------------------------------------------------- (a) the lines run here
 
 
