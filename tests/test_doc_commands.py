@@ -457,7 +457,8 @@ def test_eval_and_report(runs):
     evaluate, *reports = commands_run_by("test_eval_and_report")
     scores = json.loads(finish(start(evaluate, cwd=runs))[0].splitlines()[-1])
     trained = json.loads((runs / "runs" / "a" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert scores["val_samples"] == DIGITS_VAL  # on 2 processes, every sample once
+    assert {"val_loss", "val_acc1", "val_acc5", "val_samples"} <= set(scores)  # as cli.md says
+    assert (scores["world_size"], scores["val_samples"]) == (2, DIGITS_VAL)  # every sample once
     assert scores["val_acc1"] == pytest.approx(trained["val_acc1"], abs=1e-9)  # the checkpoint's own score
     for line in reports:
         finish(start(line, cwd=runs))
