@@ -3,7 +3,8 @@ run by another test, or named as needing what this machine lacks; so a doc canno
 
 A doc that gains a command nobody classified fails, and so does a mapping whose command left the docs. Every
 `ddpkit ...` line, whatever its class, is parsed the way the CLI parses it (flags, config keys and values,
-launch flags); every `make` line is checked to be a target of the Makefile.
+launch flags), and so is every `ddpkit CMD --flag ...` span of the prose; every `make` line is checked to be
+a target of the Makefile. `python tests/test_doc_commands.py` lists the commands, their class and where shown.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from ddpkit import errors
 from ddpkit.distributed.launch import free_port
 
 DOCS = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
-PROGRAMS = {"ddpkit", "python", "torchrun", "srun", "sbatch", "mpirun", "make", "pip", "docker", "kubectl"}
-PROGRAMS |= {"tensorboard"}
+PROGRAMS = {
+    *("ddpkit", "python", "torchrun", "srun", "sbatch", "mpirun"),
+    *("make", "pip", "docker", "kubectl", "tensorboard"),
+}
 ASSIGNMENTS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*")
 TIMEOUT = 300
 # One epoch of the default recipe (scikit-learn's digits, the built-in CNN): the command's own data and model,
@@ -264,10 +267,9 @@ def test_the_docs_show_the_commands_this_test_reads():
     assert len(found) >= 50, sorted(found)
     shown = [where.split(":")[0] for where in found["ddpkit train --nproc-per-node 2"]]
     assert shown == ["README.md", "README.md", "docs/launching.md"]
+    # the two lines of launching.md's `ddpkit slurm ... \` joined into one, its comment gone
     continued = [c for c in found if c.startswith("ddpkit slurm -c configs/cifar10_resnet18.yaml")]
-    assert continued == [
-        c for c in NEEDS if c.startswith("ddpkit slurm")
-    ]  # its two lines joined, comment gone
+    assert continued == [c for c in NEEDS if c.startswith("ddpkit slurm")]
     assert not [c for c in found if "#" in c or "\\" in c]
 
 
@@ -530,3 +532,11 @@ def test_run_one_process(tmp_path):
     (tmp_path / "torchrun_ddp.py").write_text((REPO / "tests" / "scripts" / "torchrun_ddp.py").read_text())
     out = finish(start(line, cwd=tmp_path))[0]
     assert (tmp_path / "snapshot.pt").is_file(), out
+
+
+if __name__ == "__main__":
+    for line, where in doc_commands().items():
+        kind = next(
+            (k for k, m in (("RUN", RUN), ("COVERED", COVERED), ("NEEDS", NEEDS)) if line in m), "NONE"
+        )
+        print(f"{kind:8s} {line}    [{', '.join(where)}]")
