@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import REPO
+from ddpkit import errors
 from ddpkit.cli import command_parser
 from ddpkit.commands import COMMANDS
 from ddpkit.errors import Preempted, UserError, WorkerFailure
@@ -33,12 +36,27 @@ def test_launch_flags_in_the_docs_are_the_parsers():
     assert documented == flags
 
 
-def test_exit_statuses_in_the_docs_are_the_programs():
-    documented = {row[0] for row in _table("Exit status")}
-    assert {
-        str(UserError.exit_code),
-        str(WorkerFailure.exit_code),
-        str(Preempted.exit_code),
-        "0",
-        "130",
-    } <= documented
+def _exit_table(doc: str) -> dict[str, str]:
+    """{status: meaning} of the `## Exit status` table of docs/DOC."""
+    section = (REPO / "docs" / doc).read_text().split("## Exit status\n", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("|")][2:]
+    return {cells[0]: cells[1] for cells in ([c.strip() for c in r.strip("|").split("|")] for r in rows)}
+
+
+def _program_codes() -> set[int]:
+    """Every exit code an exception of ddpkit.errors ends a command with."""
+    return {
+        obj.exit_code
+        for obj in vars(errors).values()
+        if isinstance(obj, type) and issubclass(obj, Exception) and hasattr(obj, "exit_code")
+    }
+
+
+@pytest.mark.parametrize("doc", ["cli.md", "reliability.md"])
+def test_exit_status_tables_are_the_programs_codes(doc):
+    # 130: Ctrl-C in a single process (cli.main; test_cli.py::test_each_ending_is_one_line_and_its_exit_code)
+    table = _exit_table(doc)
+    documented = {int(k) for k in table if k.isdigit()}
+    assert documented == {0, *_program_codes(), *({130} if doc == "cli.md" else ())}, table
+    assert (UserError.exit_code, WorkerFailure.exit_code, Preempted.exit_code) == (2, 1, 3)
+    assert "worker failed" in table["1"] and "user error" in table["2"] and "preempted" in table["3"].lower()
