@@ -74,7 +74,7 @@ class LaunchSpec:
 
 
 def add_launch_flags(parser) -> None:
-    """The launch flags of CONTRACT.md §2 on an argparse parser."""
+    """The launch flags every command that starts workers shares, on an argparse parser."""
     g = parser.add_argument_group("launch flags")
     g.add_argument("--nproc-per-node", type=int, metavar="N", help="start N local workers")
     g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
