@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -189,3 +190,31 @@ def test_the_same_file_rendezvous_runs_twice_and_a_stale_file_is_named(tmp_path)
     for proc in by_hand(f"file://{path}", 2):
         assert_user_error(proc, f"the rendezvous file '{path}' was left by an earlier run", "delete it")
     assert path.read_bytes() == before
+
+
+THREADS = (
+    "import os, sys, torch, ddpkit\n"
+    "ddpkit.init_distributed(init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)\n"
+    "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n"
+    "ddpkit.shutdown()\n"
+)
+
+
+def threads_by_hand(tmp_path, env: dict[str, str]) -> list[str]:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    for r in range(2):
+        cmd = [sys.executable, "-c", THREADS, url, str(r)]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        )
+    return [ok(p).strip() for p in finish(procs)]
+
+
+@pytest.mark.slow
+def test_ranks_without_a_launcher_share_the_cores_unless_omp_num_threads_is_set(tmp_path):
+    env = cli_env()
+    env.pop("OMP_NUM_THREADS")
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert threads_by_hand(tmp_path, env) == [f"{share} {share}"] * 2
+    assert threads_by_hand(tmp_path, {**env, "OMP_NUM_THREADS": "2"}) == ["2 2"] * 2
