@@ -332,7 +332,7 @@ def launch_elastic(
     if spec.nnodes > 1:
         from ddpkit.distributed.rendezvous import probe_launch
 
-        probe_launch(backend, endpoint, spec.node_rank)  # fail in seconds, not at --rdzv-timeout
+        probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
     entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
     if warm is not None and warm_start.running():
         entrypoint, start_method = warm_start.worker, "forkserver"

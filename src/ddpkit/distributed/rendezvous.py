@@ -60,8 +60,9 @@ def probe(host: str, port: int, window_s: float | None = None) -> None:
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
-def probe_launch(backend: str, endpoint: str, node_rank: int) -> None:
-    """A launcher node that connects to a rendezvous store another node hosts: probe it first."""
+def probe_launch(backend: str, endpoint: str, node_rank: int, rdzv_timeout: float) -> None:
+    """A launcher node that connects to a rendezvous store another node hosts: probe it first (for at most
+    --rdzv-timeout)."""
     from ddpkit.distributed.netif import is_loopback, owns
 
     host, _, port = endpoint.rpartition(":")
@@ -70,7 +71,7 @@ def probe_launch(backend: str, endpoint: str, node_rank: int) -> None:
         return  # node 0's agent hosts the store
     if backend == "c10d" and (not host or host == "localhost" or is_loopback(host) or owns(host)):
         return  # hosted here (or on this host, by whichever agent comes first)
-    probe(host, int(port))
+    probe(host, int(port), min(probe_window(), rdzv_timeout))
 
 
 def file_path(env: DistEnv) -> str | None:
@@ -108,7 +109,7 @@ def join(env: DistEnv, timeout: datetime.timedelta) -> tuple[DistEnv, object]:
     if path is not None:
         check_stale_file(path)
     elif env.rank != 0:  # rank 0 hosts the store
-        probe(env.master_addr, env.master_port)
+        probe(env.master_addr, env.master_port, min(probe_window(), timeout.total_seconds()))
     try:
         store, _, _ = next(
             dist.rendezvous(env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)

@@ -188,7 +188,8 @@ def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float,
         kwargs["device_id"] = dev
     timeout = datetime.timedelta(seconds=timeout_s)
     if rdzv_store is None and env.rank != 0 and env.launcher not in ("torchrun", "spawn"):
-        rendezvous.probe(env.master_addr, env.master_port)  # rank 0 hosts the store; torchrun's agent is up
+        # rank 0 hosts the store; torchrun's agent has its store up before it starts workers
+        rendezvous.probe(env.master_addr, env.master_port, min(rendezvous.probe_window(), timeout_s))
     try:
         store = (
             _attempt_store(env, timeout) if rdzv_store is None else dist.PrefixStore("ddpkit/pg/", rdzv_store)
