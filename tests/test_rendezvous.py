@@ -66,7 +66,7 @@ def local_ranks(results) -> dict[int, tuple[int, int]]:
 
 def test_layout_orders_ranks_per_host_and_hosts_by_first_rank():
     entries = [["a", ""], ["b", ""], ["a", ""], ["b", ""], ["c", ""]]
-    got = [layout(DistEnv(rank=r, world_size=5), entries, None) for r in range(5)]
+    got = [layout(DistEnv(rank=r, world_size=5), entries) for r in range(5)]
     assert [(e.local_rank, e.local_world_size, e.node_rank, e.num_nodes) for e in got] == [
         (0, 2, 0, 3),
         (0, 2, 1, 3),
@@ -75,7 +75,10 @@ def test_layout_orders_ranks_per_host_and_hosts_by_first_rank():
         (0, 1, 2, 3),
     ]
     with pytest.raises(UserError, match="both use local rank 0"):
-        layout(DistEnv(rank=0, world_size=2), [["a", "0"], ["a", "0"]], 0)
+        layout(DistEnv(rank=0, world_size=2), [["a", "0"], ["a", "0"]])
+    with pytest.raises(UserError, match="ranks 0 and 1 on host a both use local rank 1"):
+        layout(DistEnv(rank=1, world_size=2), [["a", "1"], ["a", ""]])  # rank 1's place is 1 too
+    assert layout(DistEnv(rank=0, world_size=2), [["a", "1"], ["a", "0"]]).local_rank == 1
 
 
 def test_local_rank_comes_from_the_flag_then_local_rank_then_the_rendezvous(tmp_path):

@@ -125,30 +125,30 @@ def join(env: DistEnv, timeout: datetime.timedelta) -> tuple[DistEnv, object]:
     )
     entries = [store.get(f"ddpkit/host/{r}").decode().split("\t") for r in range(env.world_size)]
     store.set(COMPLETE_KEY, "1")
-    return layout(env, entries, requested_local_rank), store
+    return layout(env, entries), store
 
 
-def layout(env: DistEnv, entries: list[list[str]], requested_local_rank: int | None) -> DistEnv:
-    """local rank = this rank's place among the ranks on its host (or the one it asked for); node rank = its
-    host's place among the hosts in order of their first rank."""
+def layout(env: DistEnv, entries: list[list[str]]) -> DistEnv:
+    """entries[r] = [host, asked local rank or ""]. local rank = the one it asked for, else its place among the
+    ranks on its host; node rank = its host's place among the hosts in order of their first rank."""
     hosts = [e[0] for e in entries]
     mine = hosts[env.rank]
     same = [r for r, h in enumerate(hosts) if h == mine]
     order = list(dict.fromkeys(hosts))
-    asked = {r: int(entries[r][1]) for r in same if len(entries[r]) > 1 and entries[r][1]}
+    chosen = {r: int(entries[r][1]) if len(entries[r]) > 1 and entries[r][1] else same.index(r) for r in same}
     taken: dict[int, int] = {}
-    for r, lr in sorted(asked.items()):
+    for r, lr in sorted(chosen.items()):
         if lr in taken:
             raise UserError(
                 f"ranks {taken[lr]} and {r} on host {mine} both use local rank {lr}",
-                "give each process on a host its own --local-rank (or LOCAL_RANK), or leave it out",
+                "give each process on a host its own --local-rank (or LOCAL_RANK), or none of them",
             )
         taken[lr] = r
-    local_rank = requested_local_rank if requested_local_rank is not None else same.index(env.rank)
+    local_rank = chosen[env.rank]
     return replace(
         env,
         local_rank=local_rank,
-        local_world_size=max(len(same), local_rank + 1),
+        local_world_size=len(same),
         node_rank=order.index(mine),
         num_nodes=len(order),
     )
