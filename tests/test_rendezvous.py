@@ -175,7 +175,9 @@ def test_the_probe_waits_for_a_master_that_starts_late():
 def test_the_same_file_rendezvous_runs_twice_and_a_stale_file_is_named(tmp_path):
     path = tmp_path / "rdzv"
     for _ in range(2):
-        assert local_ranks(by_hand(f"file://{path}", 2)) == {0: (0, 0), 1: (1, 0)}
+        results = by_hand(f"file://{path}", 2)
+        assert local_ranks(results) == {0: (0, 0), 1: (1, 0)}
+        assert {f["master"] for f in info_fields(results[0].stdout)} == {f"file://{path}"}  # not a made-up port
         assert not path.exists()
     # A run that died after the rendezvous leaves its file behind.
     code = (
