@@ -177,7 +177,9 @@ def test_the_same_file_rendezvous_runs_twice_and_a_stale_file_is_named(tmp_path)
     for _ in range(2):
         results = by_hand(f"file://{path}", 2)
         assert local_ranks(results) == {0: (0, 0), 1: (1, 0)}
-        assert {f["master"] for f in info_fields(results[0].stdout)} == {f"file://{path}"}  # not a made-up port
+        assert {f["master"] for f in info_fields(results[0].stdout)} == {
+            f"file://{path}"
+        }  # not a made-up port
         assert not path.exists()
     # A run that died after the rendezvous leaves its file behind.
     code = (
@@ -223,3 +225,23 @@ def test_ranks_without_a_launcher_share_the_cores_unless_omp_num_threads_is_set(
     share = max(1, (os.cpu_count() or 1) // 2)
     assert threads_by_hand(tmp_path, env) == [f"{share} {share}"] * 2
     assert threads_by_hand(tmp_path, {**env, "OMP_NUM_THREADS": "2"}) == ["2 2"] * 2
+
+
+@pytest.mark.slow
+def test_train_twice_on_one_file_rendezvous_with_rank_1_first(tmp_path):
+    # The file an earlier run left used to send the next run's ranks to its dead processes' addresses.
+    url = f"file://{tmp_path / 'rdzv'}"
+    for run in ("a", "b"):
+        train = [
+            "train",
+            f"out_dir={tmp_path / run}",
+            "model.arch=mlp",
+            "train.max_steps=1",
+            "report.curves=false",
+        ]
+        rank1 = start(*train, "--init-method", url, "--rank", "1", "--world-size", "2")
+        time.sleep(2)
+        rank0 = start(*train, "--init-method", url, "--rank", "0", "--world-size", "2")
+        for proc in finish([rank0, rank1]):
+            ok(proc)
+    assert not (tmp_path / "rdzv").exists()
