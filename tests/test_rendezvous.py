@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_user_error, cli_env, run_cli
 from ddpkit.distributed.env import DistEnv, manual_env
 from ddpkit.distributed.launch import free_port
-from ddpkit.distributed.rendezvous import layout
+from ddpkit.distributed.rendezvous import layout, probe_window
 from ddpkit.errors import UserError
 
 
@@ -245,3 +245,10 @@ def test_train_twice_on_one_file_rendezvous_with_rank_1_first(tmp_path):
         for proc in finish([rank0, rank1]):
             ok(proc)
     assert not (tmp_path / "rdzv").exists()
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf"])
+def test_a_bad_probe_window_is_one_line(monkeypatch, raw):
+    monkeypatch.setenv("DDPKIT_PROBE_S", raw)
+    with pytest.raises(UserError, match=f"DDPKIT_PROBE_S='{raw}' is not a positive number of seconds"):
+        probe_window()
