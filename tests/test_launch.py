@@ -98,7 +98,7 @@ def test_three_terminals_tcp():
     port = free_port()
     results = collect(start_manual(f"tcp://127.0.0.1:{port}", 3))
     assert [r[0] for r in results] == [0, 0, 0], [r[2] for r in results]
-    assert [(r, 0, 3, "gloo", "cpu") for r in range(3)] == table(results[0][1])
+    assert [(r, r, 3, "gloo", "cpu") for r in range(3)] == table(results[0][1])  # one host: local ranks 0-2
     assert results[1][1] == results[2][1] == ""  # only rank 0 prints
 
 
@@ -107,7 +107,7 @@ def test_shared_file_rendezvous(tmp_path):
     url = f"file://{tmp_path}/sharedfile"
     results = collect(start_manual(url, 2))
     assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
-    assert table(results[0][1]) == [(0, 0, 2, "gloo", "cpu"), (1, 0, 2, "gloo", "cpu")]
+    assert table(results[0][1]) == [(0, 0, 2, "gloo", "cpu"), (1, 1, 2, "gloo", "cpu")]
 
 
 @pytest.mark.slow

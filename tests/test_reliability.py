@@ -261,15 +261,19 @@ def test_nonfinite_loss_stops_naming_step_and_ranks(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on garbage was saved
 
 
+NONFINITE = ("train", "model.arch=mlp", "optim.lr=1e12", "train.epochs=1")  # a loss that turns NaN
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_in_a_launched_job_exits_1_naming_the_ranks(tmp_path):
+    proc = run_cli(*NONFINITE, f"out_dir={tmp_path / 'run'}", "--nproc-per-node", "2")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "ddpkit: error: non-finite loss on rank 0, 1 by step " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_nonfinite_skip_drops_the_step(tmp_path):
-    proc = run_cli(
-        "train",
-        f"out_dir={tmp_path / 'run'}",
-        "model.arch=mlp",
-        "optim.lr=1e12",
-        "train.epochs=1",
-        "train.nonfinite=skip",
-    )
+    proc = run_cli(*NONFINITE, f"out_dir={tmp_path / 'run'}", "train.nonfinite=skip")
     assert proc.returncode == 0, proc.stderr
     assert "step skipped" in proc.stdout
 

@@ -163,7 +163,11 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
     from ddpkit.distributed.env import detect_env, manual_env
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
-    env = manual_env(spec.init_method, spec.rank, spec.world_size) if spec.init_method else detect_env()
+    env = (
+        manual_env(spec.init_method, spec.rank, spec.world_size, spec.local_rank)
+        if spec.init_method
+        else detect_env()
+    )
     preflight(command, cfg, env)
     startup.mark("imported")
     ctx = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s, env)

@@ -10,10 +10,11 @@ from ddpkit.distributed.runtime import DistContext, hostname
 def rank_line(ctx: DistContext) -> str:
     """This rank's line: who it is, where it runs, and the interface and address its process group uses."""
     e = ctx.env
+    master = e.init_method if e.init_method.startswith("file://") else f"{e.master_addr}:{e.master_port}"
     return (
         f"rank={e.rank} local_rank={e.local_rank} world_size={e.world_size} host={hostname()} "
         f"backend={ctx.backend} device={ctx.device} node_rank={e.node_rank} launcher={e.launcher} "
-        f"master={e.master_addr}:{e.master_port} {netif.current().describe()}"
+        f"master={master} {netif.current().describe()}"
     )
 
 

@@ -33,6 +33,7 @@ class DistEnv:
     master_port: int = DEFAULT_PORT
     launcher: str = "none"  # none | torchrun | slurm | openmpi | pmi | manual | spawn
     init_method: str = "env://"
+    local_rank_given: bool = True  # false: a by-hand rank whose local rank is learnt at the rendezvous
 
     @property
     def distributed(self) -> bool:
@@ -273,13 +274,26 @@ def _mpi_env(
     return _ranked(rank, world, local_rank, local_world, env, _port(env, fallback), launcher)
 
 
-def manual_env(init_method: str, rank: int | None, world_size: int | None) -> DistEnv:
-    """`--init-method URL --rank R --world-size W`: one process of a hand-started job."""
+def manual_env(
+    init_method: str,
+    rank: int | None,
+    world_size: int | None,
+    local_rank: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistEnv:
+    """`--init-method URL --rank R --world-size W [--local-rank L]`: one process of a hand-started job.
+
+    The local rank is --local-rank, else LOCAL_RANK, else learnt at the rendezvous (rendezvous.py)."""
+    environ = os.environ if environ is None else environ
     if rank is None or world_size is None:
         raise UserError(
             "--init-method needs --rank and --world-size", "give all three, e.g. --rank 0 --world-size 3"
         )
     _check_ranks(rank, world_size, 0, 1, "--rank/--world-size")
+    if local_rank is None and "LOCAL_RANK" in environ:
+        local_rank = _int(environ, "LOCAL_RANK")
+    if local_rank is not None and local_rank < 0:
+        raise UserError(f"local rank {local_rank} is negative", "local ranks run from 0")
     addr, port = "127.0.0.1", DEFAULT_PORT
     if init_method.startswith("tcp://"):
         m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?", init_method)
@@ -312,15 +326,16 @@ def manual_env(init_method: str, rank: int | None, world_size: int | None) -> Di
         )
     return DistEnv(
         rank=rank,
-        local_rank=0,
+        local_rank=local_rank or 0,
         world_size=world_size,
-        local_world_size=1,
+        local_world_size=(local_rank or 0) + 1,
         node_rank=rank,
         num_nodes=world_size,
         master_addr=addr,
         master_port=port,
         launcher="manual",
         init_method=init_method,
+        local_rank_given=local_rank is not None,
     )
 
 

@@ -41,7 +41,7 @@ STARTER_FLAGS = frozenset(
         "--rdzv-timeout",
     }
 )
-LAUNCH_FLAGS = STARTER_FLAGS | {"--init-method", "--rank", "--world-size"}
+LAUNCH_FLAGS = STARTER_FLAGS | {"--init-method", "--rank", "--world-size", "--local-rank"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class LaunchSpec:
     init_method: str | None = None
     rank: int | None = None
     world_size: int | None = None
+    local_rank: int | None = None
 
     @property
     def starts_workers(self) -> bool:
@@ -94,6 +95,13 @@ def add_launch_flags(parser) -> None:
     g.add_argument("--init-method", metavar="URL", help="manual rendezvous: tcp://HOST:PORT or file:///PATH")
     g.add_argument("--rank", type=int, metavar="R", help="this process's rank (with --init-method)")
     g.add_argument("--world-size", type=int, metavar="W", help="number of processes (with --init-method)")
+    g.add_argument(
+        "--local-rank",
+        type=int,
+        metavar="L",
+        help="this process's GPU on its host (with --init-method; default LOCAL_RANK, else its place among "
+        "the ranks on its host)",
+    )
 
 
 def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
@@ -147,6 +155,7 @@ def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec
         init_method=args.init_method,
         rank=args.rank,
         world_size=args.world_size,
+        local_rank=args.local_rank,
     )
     if spec.init_method is not None:
         if (
@@ -159,10 +168,13 @@ def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec
                 "--init-method starts one process per call",
                 "drop --nproc-per-node/--nnodes/--launcher/--max-restarts",
             )
-    elif spec.rank is not None or spec.world_size is not None:
+    elif spec.rank is not None or spec.world_size is not None or spec.local_rank is not None:
         raise UserError(
-            "--rank and --world-size belong to a manual rendezvous", "add --init-method tcp://HOST:PORT"
+            "--rank, --world-size and --local-rank belong to a manual rendezvous",
+            "add --init-method tcp://HOST:PORT",
         )
+    if spec.local_rank is not None and spec.local_rank < 0:
+        raise UserError(f"--local-rank must be at least 0, got {spec.local_rank}", "use e.g. --local-rank 1")
     if spec.nproc_per_node is not None and spec.nproc_per_node < 1:
         raise UserError(
             f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}", "use e.g. --nproc-per-node 2"
@@ -317,6 +329,10 @@ def launch_elastic(
         backend, endpoint, run_id = "static", f"{addr}:{port}", "ddpkit"
         configs = {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}
     use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
+    if spec.nnodes > 1:
+        from ddpkit.distributed.rendezvous import probe_launch
+
+        probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
     entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
     if warm is not None and warm_start.running():
         entrypoint, start_method = warm_start.worker, "forkserver"

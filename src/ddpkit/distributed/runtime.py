@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import rendezvous
 from ddpkit.distributed.collectives import group_ended
 from ddpkit.distributed.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
 from ddpkit.distributed.health import stop_heartbeat
@@ -67,6 +68,11 @@ def resolve_device_backend(
             raise UserError(
                 f"{what} needs CUDA but no GPU is visible", "use dist.backend=gloo dist.device=cpu on CPU"
             )
+        if env.local_rank >= n_gpus:
+            raise UserError(
+                f"local rank {env.local_rank} needs GPU {env.local_rank} but only {n_gpus} GPU(s) are visible",
+                f"use local ranks 0 to {n_gpus - 1} on this node, or run on CPU with dist.device=cpu",
+            )
         if env.local_world_size > n_gpus:
             raise UserError(
                 f"{env.local_world_size} processes on this node but only {n_gpus} GPU(s) visible",
@@ -121,12 +127,19 @@ def init_distributed(
         else:
             env = detect_env()
             _refuse_a_lonely_child(env)
+    asked = backend
     backend, dev = resolve_device_backend(env, backend, device)
+    store = None
+    if env.distributed:
+        use_interface(env.master_addr, env.num_nodes > 1)  # before gloo/NCCL pick an address
+        if env.launcher == "manual" and not env.init_method.startswith("env://"):
+            env, store = rendezvous.join(env, datetime.timedelta(seconds=timeout_s))
+            backend, dev = resolve_device_backend(env, asked, device)  # the device follows the local rank
+    set_thread_count(env)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env.distributed:
-        use_interface(env.master_addr, env.num_nodes > 1)  # before gloo/NCCL pick an address
-        _init_group(env, backend, dev, timeout_s)
+        _init_group(env, backend, dev, timeout_s, store)
     _CONTEXT = DistContext(env=env, backend=backend, device=dev)
     return _CONTEXT
 
@@ -155,7 +168,18 @@ def _adopt() -> DistContext:
     return DistContext(env=env, backend=backend, device=dev)
 
 
-def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float) -> None:
+def set_thread_count(env: DistEnv) -> None:
+    """Without a launcher that set OMP_NUM_THREADS (srun, mpirun, by hand), each of the ranks on a node would
+    start a thread per core: give each cores // ranks-on-this-node, as the ddpkit launcher does."""
+    if not env.distributed or "OMP_NUM_THREADS" in os.environ:
+        return
+    n = max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1))
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float, rdzv_store=None) -> None:
+    global _RDZV
     kwargs: dict = {}
     if env.init_method.startswith("env://"):
         # Make env:// see exactly what was detected, whatever the launcher called it.
@@ -163,8 +187,13 @@ def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float)
     if dev.type == "cuda":
         kwargs["device_id"] = dev
     timeout = datetime.timedelta(seconds=timeout_s)
+    if rdzv_store is None and env.rank != 0 and env.launcher not in ("torchrun", "spawn"):
+        # rank 0 hosts the store; torchrun's agent has its store up before it starts workers
+        rendezvous.probe(env.master_addr, env.master_port, min(rendezvous.probe_window(), timeout_s))
     try:
-        store = _attempt_store(env, timeout)
+        store = (
+            _attempt_store(env, timeout) if rdzv_store is None else dist.PrefixStore("ddpkit/pg/", rdzv_store)
+        )
         if store is not None:
             kwargs["store"] = store
         else:
@@ -178,6 +207,7 @@ def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float)
             f"rank {env.rank} could not join the process group at {where} ({first_line(e)})",
             "check that every rank uses the same master address and port and that it is reachable",
         ) from None
+    _RDZV = (rdzv_store, env) if rdzv_store is not None else None
     for handler in (_drain_at_exit, shutdown):  # last in, first out: shutdown, then the drain
         atexit.unregister(handler)  # once each, however often the group is made again
         atexit.register(handler)
@@ -203,9 +233,12 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta):
     return dist.PrefixStore(f"ddpkit/attempt_{attempt}/", store)
 
 
+_RDZV: tuple | None = None  # (store, env) of a by-hand rendezvous, to leave after the group is destroyed
+
+
 def shutdown() -> None:
     """Destroy the process group if we made one; safe to call twice."""
-    global _CONTEXT
+    global _CONTEXT, _RDZV
     stop_heartbeat()  # its thread uses the group's store
     if dist.is_available() and dist.is_initialized():
         group_ended(dist.get_rank(), dist.get_world_size())
@@ -213,6 +246,9 @@ def shutdown() -> None:
             dist.destroy_process_group()
         except Exception:  # teardown after a failure must not mask the failure
             pass
+    if _RDZV is not None:
+        rendezvous.leave(*_RDZV)
+        _RDZV = None
     _CONTEXT = None
 
 
