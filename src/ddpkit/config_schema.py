@@ -26,6 +26,8 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 _REPR.maxlevel = 3
 _NOUNS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a larger lr or decay overflows in the optimizer
+
 
 @dataclass(frozen=True)
 class Meta:
@@ -125,9 +127,10 @@ def check_value(spec: Spec, value: Any) -> Any:
             "give one value, not a list or a mapping",
         )
     value = _as_base(spec, value)
-    if spec.base is float and not math.isfinite(value):
+    if spec.base is float and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
         raise UserError(
-            f"{spec.key} must be a finite number, got {shown(value)}",
+            f"{spec.key} must be a finite number, got {shown(value)}"
+            + ("" if not math.isfinite(value) else " (beyond a float32: torch computes in float32)"),
             f"set {spec.key} to a finite number{spec.bounds_text(' ')}",
         )
     if spec.choices and value not in spec.choices:
