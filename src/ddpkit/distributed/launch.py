@@ -326,7 +326,9 @@ def launch_elastic(
         configs = {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}
     use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
     signals.mark_launcher()  # each worker dies with this process (or with its fork server, which does)
-    entrypoint, args, start_method = sys.executable, ("-u", "-m", signals.__name__, *python_args), "spawn"
+    if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
+        python_args = ["-u", "-m", signals.__name__, *python_args]  # first, then becomes the script
+    entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
     if warm is not None and warm_start.running():
         entrypoint, start_method = warm_start.worker, "forkserver"
         args = (warm[0], list(warm[1]), warm_start.LaunchEnviron())
