@@ -150,3 +150,18 @@ def test_ddpkit_run_passes_a_signal_on_and_exits_with_the_workers_status(tmp_pat
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=60) == expected, log.read_text()[-3000:]
     assert not [p for p in workers if alive(p)]
+
+
+@pytest.mark.slow
+def test_a_second_sigint_to_the_launcher_kills_the_workers_at_once(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, *ARGS[:-2], "train.epochs=50", "--nproc-per-node", "2")
+    wait_for(lambda: len(read_metrics(out)) >= 1, proc=proc)
+    below = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, timeout=60)
+    assert rc == 130 and "ddpkit: interrupted" in err, err[-3000:]
+    time.sleep(1)
+    assert not [p for p in below if alive(p)]
