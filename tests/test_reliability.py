@@ -16,6 +16,7 @@ import torch
 
 from conftest import assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import load_checkpoint
+from ddpkit.distributed.signals import worker_pids as workers
 from ddpkit.metrics import read_metrics
 
 # Deterministic runs: no augmentation, no norm/dropout layers, so a resumed run must equal an unbroken one.
@@ -42,32 +43,6 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
         out, err = proc.communicate()
         raise AssertionError(f"run hung:\n{err[-3000:]}") from None
     return proc.returncode, out, err
-
-
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid (the launcher's workers)."""
-    kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return kids
-
-
-def workers(launcher_pid: int) -> list[int]:
-    """The launcher's children that run ddpkit, or the children of its fork server (warm start)."""
-    out = []
-    for c in children(launcher_pid):
-        try:
-            cmdline = Path(f"/proc/{c}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"multiprocessing.forkserver" in cmdline:
-            out += children(c)
-        elif b"ddpkit" in cmdline:
-            out.append(c)
-    return out
 
 
 def wait_for(predicate, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:

@@ -65,6 +65,48 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
     assert "stopped by SIGTERM at step 4" in rank0[-1][2]
 
 
+def _signal_during_the_collective(rank: int, world_size: int) -> list[bool]:
+    import ddpkit.distributed.stop as stop
+
+    real = stop.all_reduce_sum
+
+    def reduce_then_signal(t):  # rank 1's signal lands while its share is already on its way
+        out = real(t)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    stop.all_reduce_sum = reduce_then_signal
+    try:
+        with StopAgreement(world_size, rank == 0, check_every=2) as agreement:
+            return [agreement.poll(step).stop for step in (2, 4)] + [agreement.agreed]
+    finally:
+        stop.all_reduce_sum = real
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_agreement_counts_at_the_next_one_on_every_rank():
+    # before: rank 1 read its own flag after the all-reduce and stopped alone at step 2 (a hang for the rest)
+    assert run_group(_signal_during_the_collective, 2) == [[False, True, True], [False, True, True]]
+
+
+def test_after_an_agreed_stop_the_stop_signals_are_ignored_until_exit():
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(Preempted), StopAgreement(world_size=1, is_main=True) as agreement:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert agreement.poll(1).stop
+            raise agreement.preempted("at step 1", report=False)
+        # the launcher may SIGTERM a rank that is on its way to exit 3: it must not die of it
+        assert all(
+            signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        )
+    finally:
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, before)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _timed_checkpoints(rank: int, world_size: int) -> list[bool]:
     agreement = StopAgreement(world_size, rank == 0, every_minutes=0.2 / 60, check_every=2)
     time.sleep(0.3)  # past the interval on every rank's clock

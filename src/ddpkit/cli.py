@@ -181,6 +181,9 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
+    from ddpkit.distributed.signals import die_with_launcher
+
+    die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = run(argv)

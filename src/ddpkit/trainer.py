@@ -173,7 +173,7 @@ class Trainer:
             while self._more_to_train():
                 epoch, t0 = state.epoch + 1, time.perf_counter()
                 train = self.train_epoch(epoch)  # ends early on an agreed stop or at train.max_steps
-                if self.stop.stopped and state.consumed and self._more_to_train():
+                if self.stop.agreed and state.consumed and self._more_to_train():
                     self.checkpoint()  # mid-epoch: the rerun continues from the next sample
                     where = f"at step {state.step}; checkpoint written, rerun the same command to continue"
                     raise self.stop.preempted(where, self.ctx.is_main)

@@ -3,6 +3,8 @@ script, unchanged, as torchrun would run it — under every launcher.
 
 - With launch flags that start workers (--nproc-per-node, --nnodes, ...) torch's elastic agent starts them with
   torchrun's variables (or torch.multiprocessing.spawn with --launcher spawn runs the script in each worker).
+  SIGTERM, SIGUSR1 and SIGINT to this launcher go on to the workers, it exits with their status, and they die
+  with it.
 - Without them, this process is one rank of whatever started it (srun, mpirun, torchrun, the Kubeflow operator,
   or nothing: one process): ddpkit sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR
   and MASTER_PORT from the launcher's own variables and replaces itself with the script (exec), so the script's

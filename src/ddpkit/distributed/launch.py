@@ -12,12 +12,13 @@ import re
 import signal
 import socket
 import sys
+import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddpkit.distributed import warm_start
+from ddpkit.distributed import signals, warm_start
 from ddpkit.distributed.netif import hosted_endpoint, use_interface
 from ddpkit.distributed.peers import name_lost_nodes, watch
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
@@ -247,13 +248,20 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _failure(failures: dict[int, int], restarts: int) -> WorkerFailure:
+def _failure(failures: dict[int, int], restarts: int, forwarded: int = 0) -> WorkerFailure | Preempted:
+    """How the launch ends when workers failed; `forwarded`: the signal this launcher passed on to them."""
+    codes = set(failures.values())
+    if codes == {PREEMPTED_EXIT}:  # every worker that ended stopped after the agreed checkpoint
+        return Preempted(
+            "workers stopped at a step boundary after a checkpoint; rerun the same command to continue"
+        )
     ranks = ", ".join(f"rank {r} ({describe_exit(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
-    codes = set(failures.values())
     # The workers' own status when they agree on one, else 1; exit 2 means they all met a user error and said
-    # why, one line each, so the launcher adds none.
+    # why, one line each, so the launcher adds none; 128 + N when they all died of the signal N passed on.
     code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
+    if forwarded and set(failures.values()) == {-forwarded}:
+        code = 128 + forwarded
     return WorkerFailure(f"worker {ranks} failed{after}", exit_code=code, report=code != 2)
 
 
@@ -333,6 +341,9 @@ def launch_elastic(
         from ddpkit.distributed.rendezvous import probe_launch
 
         probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
+    signals.mark_launcher()  # each worker dies with this process (or with its fork server, which does)
+    if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
+        python_args = ["-u", "-m", signals.__name__, *python_args]  # first, then becomes the script
     entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
     if warm is not None and warm_start.running():
         entrypoint, start_method = warm_start.worker, "forkserver"
@@ -348,21 +359,18 @@ def launch_elastic(
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
         start_method=start_method,
+        signals_to_handle=signals.AGENT_SIGNALS,
     )
     watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
     quiet_agent_logs(debug=bool(os.environ.get("DDPKIT_DEBUG")))
+    forwarder = signals.Forwarder()
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with forwarder:  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
+            elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        if codes and all(c == PREEMPTED_EXIT for c in codes.values()):
-            raise Preempted(
-                "workers stopped at a step boundary after a checkpoint; rerun the same command to continue"
-            ) from None
-        raise _failure(codes, spec.max_restarts) from None
-    except (
-        SignalException
-    ) as e:  # the launcher itself got SIGTERM/SIGINT: workers were asked to stop and checkpoint
+        raise _failure(codes, spec.max_restarts, forwarder.signum) from None
+    except SignalException as e:  # SIGHUP/SIGQUIT, which torch's agent passes on to the workers itself
         raise Preempted(
             f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)",
             signum=int(e.sigval),
@@ -376,9 +384,12 @@ def launch_elastic(
 
 class _NoTraceback(logging.Filter):
     """The agent reports a worker forked from the fork server that failed with a traceback of its own join;
-    the worker started as a program gets one line: keep the line."""
+    the worker started as a program gets one line: keep the line. A worker that exits 3 stopped as agreed
+    (the launcher says so in one line): no error line for it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if "exitcode: %s" in str(record.msg) and record.args and record.args[0] == PREEMPTED_EXIT:
+            return False
         record.exc_info = record.exc_text = None
         return True
 
@@ -396,9 +407,18 @@ def _spawn_entry(
     local_rank: int, fn: Callable[[list[str]], int], argv: list[str], env: dict[str, str]
 ) -> None:
     os.environ.update(env)
+    signals.die_with_launcher()
     rank = int(env["GROUP_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
-    code = fn(argv)
+    try:
+        code = fn(argv)
+    except Preempted as e:  # as the command line ends it: one line, exit 3 (not a raised exception)
+        if e.report:
+            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
+        code = e.exit_code
+    except KeyboardInterrupt:  # torch's spawn wrapper would end the process with status 0
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
     if code:
         sys.exit(code)
 
@@ -418,13 +438,20 @@ def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]]
         "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": str(spec.node_rank),
         "DDPKIT_LAUNCHER": "spawn",
+        signals.PARENT_VAR: str(os.getpid()),
     }
-    try:
-        mp.spawn(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=True)
-    except mp.ProcessExitedException as e:
-        rank = spec.node_rank * nproc + e.error_index
-        raise _failure({rank: e.exit_code}, 0) from None
-    except mp.ProcessRaisedException as e:
-        rank = spec.node_rank * nproc + e.error_index
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else "an exception"
-        raise WorkerFailure(f"worker rank {rank} failed: {last}") from None
+    forwarder = signals.Forwarder()
+    with forwarder:  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
+        context = mp.start_processes(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=False)
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as e:
+            rank = spec.node_rank * nproc + e.error_index
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else "an exception"
+            raise WorkerFailure(f"worker rank {rank} failed: {last}") from None
+        except mp.ProcessExitedException:
+            # join() has waited for the others (SIGTERM after the first failure): judge them all
+            codes = {spec.node_rank * nproc + i: p.exitcode for i, p in enumerate(context.processes)}
+            failed = {r: c for r, c in codes.items() if c}
+            raise _failure(failed, 0, forwarder.signum) from None

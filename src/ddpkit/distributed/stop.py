@@ -18,7 +18,7 @@ from ddpkit.errors import Preempted, TrainingFailure
 
 # How often (optimizer steps) the ranks compare notes on signals and the clock: one 2-element all-reduce.
 STOP_CHECK_EVERY = 10
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Decision(NamedTuple):
@@ -31,9 +31,12 @@ class Decision(NamedTuple):
 
 
 class StopAgreement:
-    """SIGTERM/SIGUSR1 set a flag; the ranks agree on "stop now" and "checkpoint now" every few steps.
+    """SIGTERM/SIGUSR1/SIGINT set a flag; the ranks agree on "stop now" and "checkpoint now" every few steps.
 
-    A context manager: the signal handlers are installed inside `with`, the previous ones restored after it.
+    A context manager: the signal handlers are installed inside `with`, the previous ones restored after it,
+    unless it ends with the agreed stop (Preempted): the process is then on its way to exit 3 and ignores
+    those signals, so that a launcher that sees a first rank exit 3 and SIGTERMs the others (torch's agent
+    does) cannot turn their exit 3 into "killed by SIGTERM".
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class StopAgreement:
         self.world_size, self.is_main = world_size, is_main
         self.every_steps, self.every_s, self.check_every = every_steps, every_minutes * 60, check_every
         self.signum = 0  # the signal that stopped us (a peer's stop reads as SIGTERM)
+        self.agreed = False  # a poll decided "stop now" (on every rank alike; `stopped` is this rank's flag)
         self._last_save = time.monotonic()
         self._old: dict[int, Any] = {}
 
@@ -61,9 +65,10 @@ class StopAgreement:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        stopping = exc_type is not None and issubclass(exc_type, Preempted)
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_IGN if stopping else old)
         self._old.clear()
 
     @property
@@ -79,16 +84,16 @@ class StopAgreement:
         steps, or now when `force`; a single process decides alone every step)."""
         due = bool(self.every_s) and self.is_main and time.monotonic() - self._last_save >= self.every_s
         periodic = bool(self.every_steps) and step % self.every_steps == 0
+        stop = self.stopped  # read once: a signal that comes during the collective counts at the next check
         if self.world_size > 1:
             if step % self.check_every and not force:
                 return Decision(False, periodic)
-            stop_any, due_any = all_reduce_sum(
-                torch.tensor([float(self.stopped), float(due)], dtype=torch.float64)
-            )
-            if stop_any and not self.signum:
+            stop_any, due_any = all_reduce_sum(torch.tensor([float(stop), float(due)], dtype=torch.float64))
+            stop, due = bool(stop_any), bool(due_any)
+            if stop and not self.signum:
                 self.signum = signal.SIGTERM
-            due = bool(due_any)
-        return Decision(self.stopped, periodic or due)
+        self.agreed = self.agreed or stop
+        return Decision(stop, periodic or due)
 
     def preempted(self, where: str, report: bool) -> Preempted:
         """`stopped by SIGNAL {where}`: the exception that ends a stopped run (`report`: this process prints it)."""

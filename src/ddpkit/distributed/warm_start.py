@@ -7,7 +7,8 @@ and runs the rendezvous, on another core, and the agent then gets each worker as
 (`start_method="forkserver"`, the function entry point of torch's elastic launcher). A worker then makes
 itself what `python -u -m ddpkit ARGV` started by the agent would be: the same environment (the launcher's,
 plus what the agent sets for each rank), the same sys.argv, unbuffered output, the signals given back, an
-uncaught exception printed with exit status 1, and atexit handlers run at the end.
+uncaught exception printed with exit status 1, and atexit handlers run at the end. It also dies with the fork
+server (which dies with the launcher), as a worker started as a program dies with the launcher.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 from collections.abc import Callable, Iterable
 from multiprocessing import forkserver
 from typing import Any
+
+from ddpkit.distributed import signals
 
 DISABLE_VAR = "DDPKIT_WARM_START"  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
 SERVER = "ddpkit.distributed.warm_server"
@@ -49,6 +52,7 @@ def start(modules: Iterable[str]) -> bool:
     global _started
     if not available():
         return False
+    signals.mark_launcher()  # the server dies with this process
     forkserver.set_forkserver_preload([SERVER, *modules])
     with _environ(PYTHONUNBUFFERED="1"):  # what `python -u` gives the workers
         forkserver.ensure_running()
@@ -87,6 +91,8 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **agent})
+    os.environ.pop(signals.PARENT_VAR, None)  # not the launcher's child: it dies with the server
+    signals.die_with_parent(warm_server.SERVER_PID)
     sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *argv]
     if not sys.flags.safe_path:
         sys.path[0] = os.getcwd()  # what `python -m` puts first

@@ -1,0 +1,118 @@
+"""Signals between the launcher and its workers: stop requests go on to the workers, and no worker outlives
+the launcher.
+
+- The launcher (`ddpkit train/run --nproc-per-node N`) passes SIGTERM, SIGUSR1 and SIGINT on to its workers
+  and keeps waiting for them, so the job ends with the workers' own status (3 after a checkpoint); a second
+  SIGINT kills the workers at once.
+- Each worker asks the kernel to SIGKILL it when its parent ends (Linux's parent-death signal): the launcher,
+  or under a warm start the fork server, which itself dies with the launcher. A launcher killed with SIGKILL
+  therefore leaves no worker behind.
+
+`python -m ddpkit.distributed.signals ARGS` sets that up, then becomes `python ARGS` (a user's script under
+`ddpkit run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+PARENT_VAR = "DDPKIT_LAUNCHER_PID"  # set by the launcher for its workers; each worker takes it out
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# What torch's elastic agent still handles itself (its own shutdown: the signal passed on to the workers,
+# then the launcher ends); SIGTERM and SIGINT are the Forwarder's, so that the job ends with the workers' status.
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+_PR_SET_PDEATHSIG = 1
+
+
+def mark_launcher() -> None:
+    """This process starts workers: they learn its pid (from the environment they inherit)."""
+    os.environ[PARENT_VAR] = str(os.getpid())
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: the kernel SIGKILLs this process when `parent`, its parent process, ends; already gone: exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent:  # it ended before we asked: nobody waits for us any more
+        os._exit(128 + signal.SIGKILL)
+
+
+def die_with_launcher() -> None:
+    """In a worker the launcher started itself: die with it (no-op elsewhere). Takes PARENT_VAR out of the
+    environment, so that processes this one starts are not taken for workers."""
+    pid = os.environ.pop(PARENT_VAR, None)
+    if pid is not None and pid.isdigit():
+        die_with_parent(int(pid))
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
+
+
+def worker_pids(launcher: int | None = None) -> list[int]:
+    """The workers of `launcher` (default: this process): its child processes, or its fork server's
+    (multiprocessing's resource tracker and fork server are helpers, not workers)."""
+    pids = []
+    for pid in _children(os.getpid() if launcher is None else launcher):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            pids += _children(pid)
+        elif b"multiprocessing.resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids
+
+
+class Forwarder:
+    """In the launcher, while it waits for its workers: SIGTERM, SIGUSR1 and SIGINT are sent on to the workers
+    (a stop request) instead of ending the launcher; a second SIGINT SIGKILLs them and raises
+    KeyboardInterrupt. `signum`: the last signal forwarded (0: none)."""
+
+    def __init__(self, pids: Callable[[], list[int]] = worker_pids):
+        self.pids, self.signum = pids, 0
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> Forwarder:
+        for sig in FORWARDED:
+            with contextlib.suppress(ValueError):  # not the main thread: nothing reaches us here
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _send(self, signum: int) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    def _handle(self, signum: int, frame) -> None:
+        again = signum == signal.SIGINT and self.signum == signal.SIGINT
+        self.signum = signum
+        if again:
+            self._send(signal.SIGKILL)
+            raise KeyboardInterrupt
+        self._send(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+if __name__ == "__main__":  # python -u -m ddpkit.distributed.signals SCRIPT.py ARGS: die with the launcher
+    die_with_launcher()
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
