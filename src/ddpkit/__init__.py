@@ -4,26 +4,11 @@ The public API. Every name but UserError loads on first use, so `import ddpkit` 
 line starts its workers before it pays for torch.
 """
 
+from ddpkit.distributed import COLLECTIVES as _COLLECTIVES  # names only: it loads no torch
 from ddpkit.errors import UserError
 
 __version__ = "0.1.0"
 
-_COLLECTIVES = (
-    "all_gather_object",
-    "all_reduce_mean",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "gather",
-    "gather_object",
-    "get_rank",
-    "get_world_size",
-    "is_main_process",
-    "rank_zero_first",
-    "seed_everything",
-    "seed_model_init",
-    "seed_rank",
-)
 _LAZY = {
     "DistContext": "ddpkit.distributed.runtime",
     "init_distributed": "ddpkit.distributed.runtime",

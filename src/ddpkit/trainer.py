@@ -9,11 +9,9 @@ of one optimizer step over all ranks. "step" alone always means an optimizer ste
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,7 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit import data, models, optim, startup
+from ddpkit import data, optim, startup
+from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model, to_device
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
@@ -30,76 +29,17 @@ from ddpkit.distributed.collectives import (
     broadcast_object,
     gather_object,
     is_dist,
-    rank_zero_first,
-    seed_model_init,
 )
 from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.distributed.strategy import Strategy, build_strategy, ddp_options
-from ddpkit.errors import UserError, first_line
+from ddpkit.distributed.strategy import build_strategy, ddp_options
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.rundir import RunDir
 from ddpkit.train_state import TrainState
 
-AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_samples")
-
-# ------------------------------------------------------------------------------------------------ builders
-
-
-def make_autocast(device: torch.device, amp: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the autocast context for train.amp (none, bf16, fp16) on `device`."""
-    dtype = AMP_DTYPES[amp]
-    if dtype is None:
-        return contextlib.nullcontext
-    return functools.partial(torch.autocast, device.type, dtype=dtype)
-
-
-def make_datasets(cfg: Config) -> tuple[Any, Any, data.DataSpec]:
-    """(train set, val set, spec); with data.download rank 0 fetches first while the others wait."""
-    with rank_zero_first() if cfg.data.download else contextlib.nullcontext():
-        return data.build_datasets(cfg)
-
-
-def make_model(
-    cfg: Config, ctx: DistContext, spec: data.DataSpec, report=None, for_eval: bool = False
-) -> nn.Module:
-    """The configured model with the same initial weights on every rank, on ctx.device.
-
-    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
-    """
-    if for_eval and cfg.model.pretrained:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
-    seed_model_init(cfg.seed)
-    num_classes = cfg.model.num_classes or spec.num_classes
-    model = models.build_model(cfg, num_classes, spec.in_channels, spec.image_size, report=report)
-    return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
-
-
-def load_weights(
-    strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
-) -> None:
-    """A checkpoint's model (and optimizer) state into `wrapped`; one UserError when it does not fit."""
-    try:
-        strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise UserError(
-            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
-            "use the model.* settings it was trained with, or start afresh in another out_dir "
-            "(or with checkpoint.overwrite=true, which moves the earlier run aside)",
-        ) from None
-
-
-def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device, channels_last: bool = False):
-    """A micro-batch on `device` (channels_last for 4-d images when asked)."""
-    non_blocking = device.type == "cuda"
-    x = x.to(device, non_blocking=non_blocking)
-    if channels_last and x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x, y.to(device, non_blocking=non_blocking)
-
 
 # ------------------------------------------------------------------------------------------------- trainer
 

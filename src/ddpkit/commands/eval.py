@@ -15,7 +15,8 @@ from ddpkit.errors import UserError
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
     from ddpkit import data
-    from ddpkit.trainer import evaluate, load_weights, make_autocast, make_datasets, make_model
+    from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model
+    from ddpkit.trainer import evaluate
 
     path = cfg.checkpoint.path
     if not path:

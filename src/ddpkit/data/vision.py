@@ -148,10 +148,18 @@ def _check_imagefolder(cfg: Config) -> None:
 # ----------------------------------------------------------------------------------------------- builders
 
 
-def _resize(size: int, native: int) -> list[Any]:
+def _small_image_transforms(
+    cfg: Config, native: int, mean: Any, std: Any, augment: list[Any]
+) -> tuple[int, Any, Any]:
+    """(image size, train transform, val transform) of a small-image set: `augment` (at the native size) first
+    when data.augment, then a resize when data.image_size differs from `native`, tensor, normalisation."""
     from torchvision import transforms as T
 
-    return [T.Resize((size, size))] if size != native else []
+    size = cfg.data.image_size or native
+    tail = [*([T.Resize((size, size))] if size != native else []), T.ToTensor(), T.Normalize(mean, std)]
+    val_tf = T.Compose(tail)
+    train_tf = T.Compose([*augment, *tail]) if cfg.data.augment else val_tf
+    return size, train_tf, val_tf
 
 
 def _cifar(cfg: Config) -> Splits:
@@ -159,14 +167,8 @@ def _cifar(cfg: Config) -> Splits:
 
     from ddpkit.data.tv_classes import PresentCIFAR10, PresentCIFAR100
 
-    size = cfg.data.image_size or 32
-    norm = T.Normalize(CIFAR_MEAN, CIFAR_STD)
-    val_tf = T.Compose([*_resize(size, 32), T.ToTensor(), norm])
-    train_tf = val_tf
-    if cfg.data.augment:
-        train_tf = T.Compose(
-            [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), *_resize(size, 32), T.ToTensor(), norm]
-        )
+    augment = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+    size, train_tf, val_tf = _small_image_transforms(cfg, 32, CIFAR_MEAN, CIFAR_STD, augment)
     cls = PresentCIFAR100 if cfg.data.dataset == "cifar100" else PresentCIFAR10
     download = cfg.data.download
     train = cls(cfg.data.root, train=True, transform=train_tf, download=download)
@@ -178,12 +180,8 @@ def _mnist(cfg: Config) -> Splits:
     from torchvision import transforms as T
     from torchvision.datasets import MNIST
 
-    size = cfg.data.image_size or 28
-    norm = T.Normalize(MNIST_MEAN, MNIST_STD)
-    val_tf = T.Compose([*_resize(size, 28), T.ToTensor(), norm])
-    train_tf = val_tf
-    if cfg.data.augment:
-        train_tf = T.Compose([T.RandomCrop(28, padding=2), *_resize(size, 28), T.ToTensor(), norm])
+    augment = [T.RandomCrop(28, padding=2)]
+    size, train_tf, val_tf = _small_image_transforms(cfg, 28, MNIST_MEAN, MNIST_STD, augment)
     download = cfg.data.download
     train = MNIST(cfg.data.root, train=True, transform=train_tf, download=download)
     val = MNIST(cfg.data.root, train=False, transform=val_tf, download=download)

@@ -8,27 +8,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# the collectives helpers the top-level package exports too (derive_seed stays here)
+COLLECTIVES = (
+    "all_gather_object",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "gather",
+    "gather_object",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "rank_zero_first",
+    "seed_everything",
+    "seed_model_init",
+    "seed_rank",
+)
+
 _WHERE = {
-    **dict.fromkeys(
-        (
-            "all_gather_object",
-            "all_reduce_mean",
-            "all_reduce_sum",
-            "barrier",
-            "broadcast_object",
-            "derive_seed",
-            "gather",
-            "gather_object",
-            "get_rank",
-            "get_world_size",
-            "is_main_process",
-            "rank_zero_first",
-            "seed_everything",
-            "seed_model_init",
-            "seed_rank",
-        ),
-        "collectives",
-    ),
+    **dict.fromkeys((*COLLECTIVES, "derive_seed"), "collectives"),
     **dict.fromkeys(("DistEnv", "detect_env", "expand_nodelist", "parse_nodelist"), "env"),
     **dict.fromkeys(("DistContext", "init_distributed", "resolve_device_backend", "shutdown"), "runtime"),
 }

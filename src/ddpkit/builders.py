@@ -1,0 +1,74 @@
+"""The builders the Trainer (and `ddpkit eval`) asks for the parts of a run: data sets, the model with the same
+initial weights on every rank, checkpoint weights into it, the autocast factory, micro-batches on the device."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ddpkit import data, models
+from ddpkit.config import Config
+from ddpkit.distributed.collectives import rank_zero_first, seed_model_init
+from ddpkit.distributed.runtime import DistContext
+from ddpkit.distributed.strategy import Strategy
+from ddpkit.errors import UserError, first_line
+
+AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_autocast(device: torch.device, amp: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the autocast context for train.amp (none, bf16, fp16) on `device`."""
+    dtype = AMP_DTYPES[amp]
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def make_datasets(cfg: Config) -> tuple[Any, Any, data.DataSpec]:
+    """(train set, val set, spec); with data.download rank 0 fetches first while the others wait."""
+    with rank_zero_first() if cfg.data.download else contextlib.nullcontext():
+        return data.build_datasets(cfg)
+
+
+def make_model(
+    cfg: Config, ctx: DistContext, spec: data.DataSpec, report=None, for_eval: bool = False
+) -> nn.Module:
+    """The configured model with the same initial weights on every rank, on ctx.device.
+
+    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
+    """
+    if for_eval and cfg.model.pretrained:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
+    seed_model_init(cfg.seed)
+    num_classes = cfg.model.num_classes or spec.num_classes
+    model = models.build_model(cfg, num_classes, spec.in_channels, spec.image_size, report=report)
+    return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+
+
+def load_weights(
+    strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
+) -> None:
+    """A checkpoint's model (and optimizer) state into `wrapped`; one UserError when it does not fit."""
+    try:
+        strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise UserError(
+            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
+            "use the model.* settings it was trained with, or start afresh in another out_dir "
+            "(or with checkpoint.overwrite=true, which moves the earlier run aside)",
+        ) from None
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device, channels_last: bool = False):
+    """A micro-batch on `device` (channels_last for 4-d images when asked)."""
+    non_blocking = device.type == "cuda"
+    x = x.to(device, non_blocking=non_blocking)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y.to(device, non_blocking=non_blocking)
