@@ -165,3 +165,28 @@ def test_a_second_sigint_to_the_launcher_kills_the_workers_at_once(tmp_path):
     assert rc == 130 and "ddpkit: interrupted" in err, err[-3000:]
     time.sleep(1)
     assert not [p for p in below if alive(p)]
+
+
+AFTER_A_LAUNCH = r"""
+import os, subprocess, sys
+from ddpkit.cli import run
+from ddpkit.distributed.signals import PARENT_VAR
+
+assert run(["info", "--nproc-per-node", "2"]) == 0  # this process launched workers itself
+assert PARENT_VAR not in os.environ, "the launcher's mark outlived its launch"
+# A program this process starts later, through a shell (as srun or nsenter would), is nobody's worker.
+shell = subprocess.run(["sh", "-c", f"{sys.executable} -m ddpkit info"], capture_output=True, text=True)
+assert shell.returncode == 0, (shell.returncode, shell.stderr[-500:])
+from ddpkit.cli import main
+main(["info"])  # and the command line called in this process again
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_launched_once_is_nobodys_worker_afterwards(tmp_path):
+    # Before: the launcher's pid stayed in its environment, so a later `ddpkit` started through a shell (or
+    # cli.main in the same process) took itself for an orphaned worker and exited 137 at once.
+    proc = subprocess.run(
+        [sys.executable, "-c", AFTER_A_LAUNCH], capture_output=True, text=True, env=cli_env(), timeout=300
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

@@ -341,7 +341,6 @@ def launch_elastic(
         from ddpkit.distributed.rendezvous import probe_launch
 
         probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
-    signals.mark_launcher()  # each worker dies with this process (or with its fork server, which does)
     if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
         python_args = ["-u", "-m", signals.__name__, *python_args]  # first, then becomes the script
     entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
@@ -365,7 +364,9 @@ def launch_elastic(
     quiet_agent_logs(debug=bool(os.environ.get("DDPKIT_DEBUG")))
     forwarder = signals.Forwarder()
     try:
-        with forwarder:  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
+        # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them. Each worker dies with this process (or
+        # with its fork server, which does).
+        with forwarder, signals.launcher_env():
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}

@@ -19,7 +19,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PARENT_VAR = "DDPKIT_LAUNCHER_PID"  # set by the launcher for its workers; each worker takes it out
@@ -30,15 +30,39 @@ AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 _PR_SET_PDEATHSIG = 1
 
 
-def mark_launcher() -> None:
-    """This process starts workers: they learn its pid (from the environment they inherit)."""
+@contextlib.contextmanager
+def launcher_env() -> Iterator[None]:
+    """While workers start: they learn this process's pid from the environment they inherit. Put back after,
+    so that a process started later by this one (a library user's process that launched once, a test runner)
+    is not taken for a worker."""
+    old = os.environ.get(PARENT_VAR)
     os.environ[PARENT_VAR] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(PARENT_VAR, None)
+        else:
+            os.environ[PARENT_VAR] = old
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def die_with_parent(parent: int) -> None:
-    """Linux: the kernel SIGKILLs this process when `parent`, its parent process, ends; already gone: exit now."""
-    if not sys.platform.startswith("linux"):
+    """Linux: the kernel SIGKILLs this process when `parent`, its parent process, ends; already gone: exit now.
+    A process whose parent is some other live process (started through a shell, srun, ...) is left alone."""
+    if not sys.platform.startswith("linux") or parent == os.getpid():
         return
+    if os.getppid() != parent and _alive(parent):
+        return  # not started by `parent` itself: not its worker
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         err = ctypes.get_errno()

@@ -52,9 +52,8 @@ def start(modules: Iterable[str]) -> bool:
     global _started
     if not available():
         return False
-    signals.mark_launcher()  # the server dies with this process
     forkserver.set_forkserver_preload([SERVER, *modules])
-    with _environ(PYTHONUNBUFFERED="1"):  # what `python -u` gives the workers
+    with signals.launcher_env(), _environ(PYTHONUNBUFFERED="1"):  # the server dies with us; `python -u`
         forkserver.ensure_running()
     _started = True
     return True
