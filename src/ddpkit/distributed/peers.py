@@ -45,14 +45,11 @@ _LOST = _LostNodes()
 
 
 def _live_children() -> list[int]:
-    """This process's children that have not exited (an agent stuck in a store call reaps nobody)."""
-    pids = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            pass
-    return [p for p in pids if _state(p) not in ("Z", "X", "")]
+    """This agent's workers that have not exited (an agent stuck in a store call reaps nobody): its children, or
+    its fork server's (the fork server itself lives on and is not a worker)."""
+    from ddpkit.distributed.signals import worker_pids
+
+    return [p for p in worker_pids() if _state(p) not in ("Z", "X", "")]
 
 
 def _state(pid: int) -> str:
