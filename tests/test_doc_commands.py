@@ -383,7 +383,9 @@ MAKE_LINES = sorted(c for c in doc_commands() if c.startswith("make "))
 
 @pytest.mark.parametrize("command", MAKE_LINES)
 def test_every_make_line_is_a_target_of_the_makefile(command):
-    proc = subprocess.run(["make", "-n", *command.split()[1:]], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", *command.split()[1:]], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -391,7 +393,9 @@ def test_every_make_line_is_a_target_of_the_makefile(command):
 def test_make_demo_trains_what_the_makefile_says(tmp_path):
     # `make demo` first creates .venv and pip-installs the project (PyPI, minutes); the line it then runs is
     # read from the Makefile and run here with this interpreter's ddpkit, for one epoch, in an empty folder.
-    proc = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     (train,) = [ln for ln in proc.stdout.splitlines() if " train " in ln]
     assert train == ".venv/bin/ddpkit train -c configs/digits.yaml out_dir=runs/demo --nproc-per-node 2", (
         train
@@ -403,7 +407,9 @@ def test_make_demo_trains_what_the_makefile_says(tmp_path):
 
 def test_make_test_runs_this_suite():
     # `make test` is the whole suite (20+ minutes, this file included): it runs in CI, never from a test.
-    proc = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m pytest tests"
 
 

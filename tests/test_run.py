@@ -96,6 +96,25 @@ def test_workers_get_ranks_and_the_scripts_exit_code_passes_through(tmp_path, la
     assert {r["MASTER_PORT"] for r in recs} == {recs[0]["MASTER_PORT"]} and recs[0]["argv"] == ["x"]
 
 
+FIRST_FAILS = """\
+import os, sys, time
+if os.environ["RANK"] != "0":
+    time.sleep(120)  # still running when rank 0 fails: the launcher ends it
+sys.exit(5)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_the_first_failures_code_is_the_jobs_not_that_of_the_workers_the_launcher_ended(tmp_path, launcher):
+    # Before: under spawn, rank 1 ended by the launcher's SIGTERM made the job exit 1 instead of rank 0's 5.
+    script = tmp_path / "first_fails.py"
+    script.write_text(FIRST_FAILS)
+    proc = run_cli("run", "--nproc-per-node", "2", "--launcher", launcher, str(script), timeout=100)
+    assert proc.returncode == 5, proc.stderr[-2000:]
+    assert "rank 0 (exit code 5)" in proc.stderr, proc.stderr[-2000:]
+
+
 def python(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=cwd

@@ -248,9 +248,21 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _failure(failures: dict[int, int], restarts: int, forwarded: int = 0) -> WorkerFailure | Preempted:
-    """How the launch ends when workers failed; `forwarded`: the signal this launcher passed on to them."""
-    codes = set(failures.values())
+def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) -> frozenset[int]:
+    """Ranks the agent SIGTERMed after the first failure (it ends the others): not the job's status."""
+    first, _ = e.get_first_failure()
+    return frozenset(
+        r for r, c in codes.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
+    )
+
+
+def _failure(
+    failures: dict[int, int], restarts: int, forwarded: int = 0, ended_by_us: frozenset[int] = frozenset()
+) -> WorkerFailure | Preempted:
+    """How the launch ends when workers failed; `forwarded`: the signal this launcher passed on to them;
+    `ended_by_us`: ranks the launcher itself terminated after the first failure (named, but their status is not
+    the job's)."""
+    codes = {c for r, c in failures.items() if r not in ended_by_us} or set(failures.values())
     if codes == {PREEMPTED_EXIT}:  # every worker that ended stopped after the agreed checkpoint
         return Preempted(
             "workers stopped at a step boundary after a checkpoint; rerun the same command to continue"
@@ -259,7 +271,7 @@ def _failure(failures: dict[int, int], restarts: int, forwarded: int = 0) -> Wor
     after = f" after {restarts} restart(s)" if restarts else ""
     # The workers' own status when they agree on one, else 1; exit 2 means they all met a user error and said
     # why, one line each, so the launcher adds none; 128 + N when they all died of the signal N passed on.
-    code = codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
+    code = next(iter(codes)) if len(codes) == 1 and min(codes) > 0 else 1
     if forwarded and set(failures.values()) == {-forwarded}:
         code = 128 + forwarded
     return WorkerFailure(f"worker {ranks} failed{after}", exit_code=code, report=code != 2)
@@ -370,7 +382,9 @@ def launch_elastic(
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        raise _failure(codes, spec.max_restarts, forwarder.signum) from None
+        raise _failure(
+            codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder)
+        ) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, which torch's agent passes on to the workers itself
         raise Preempted(
             f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)",
@@ -451,8 +465,12 @@ def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]]
             rank = spec.node_rank * nproc + e.error_index
             last = str(e).strip().splitlines()[-1] if str(e).strip() else "an exception"
             raise WorkerFailure(f"worker rank {rank} failed: {last}") from None
-        except mp.ProcessExitedException:
+        except mp.ProcessExitedException as e:
             # join() has waited for the others (SIGTERM after the first failure): judge them all
             codes = {spec.node_rank * nproc + i: p.exitcode for i, p in enumerate(context.processes)}
             failed = {r: c for r, c in codes.items() if c}
-            raise _failure(failed, 0, forwarder.signum) from None
+            first = spec.node_rank * nproc + e.error_index
+            ours = frozenset(
+                r for r, c in failed.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
+            )
+            raise _failure(failed, 0, forwarder.signum, ours) from None
