@@ -20,7 +20,8 @@ DEFAULT_PROBE_S = 30.0
 # Set by every rank once all ranks have told their host: a rank that finds it in a file:// rendezvous file
 # before joining meets a file an earlier run left behind (a rank of this run can only come before it).
 COMPLETE_KEY = "ddpkit/rendezvous_complete"
-LEAVE_WAIT_S = 5.0
+LEAVE_WAIT_S = 20.0  # a loaded machine can keep a rank seconds behind rank 0 at exit
+REAPPEAR_S = 1.0  # how long rank 0 watches for the file coming back (see leave)
 
 
 def probe_window() -> float:
@@ -170,5 +171,12 @@ def leave(store, env: DistEnv) -> None:
                 return  # a rank that did not leave: the file stays, and the next run is told to delete it
             time.sleep(0.05)
         os.remove(path)
+        # torch's FileStore destructor in another rank checks that the file exists, then adds to its clean-up
+        # counter, creating the file again when the removal fell in between: remove that leftover too.
+        deadline = time.monotonic() + REAPPEAR_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if os.path.exists(path):
+                os.remove(path)
     except (RuntimeError, OSError):
         pass
