@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import cli_env
+from ddpkit.distributed.signals import alive
 
 from .helpers import PY
 
@@ -32,14 +33,7 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_alive = alive
 
 
 def _cmdline(pid: int) -> str:

@@ -46,7 +46,8 @@ def launcher_env() -> Iterator[None]:
             os.environ[PARENT_VAR] = old
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (also one we may not signal)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +62,7 @@ def die_with_parent(parent: int) -> None:
     A process whose parent is some other live process (started through a shell, srun, ...) is left alone."""
     if not sys.platform.startswith("linux") or parent == os.getpid():
         return
-    if os.getppid() != parent and _alive(parent):
+    if os.getppid() != parent and alive(parent):
         return  # not started by `parent` itself: not its worker
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
