@@ -16,6 +16,8 @@ from .helpers import PY, all_ok, finish, ok
 pytestmark = pytest.mark.system
 
 SCRIPTS = REPO / "tests" / "scripts"
+# two tasks of the test cluster, each running `ddpkit run` on the rest of the command line
+SRUN_TWO_TASKS = ["srun", "-n", "2", "--export=ALL", PY, "-m", "ddpkit", "run"]
 TORCHRUN_STYLE = [str(SCRIPTS / "torchrun_ddp.py"), "--epochs", "2"]
 
 
@@ -51,14 +53,7 @@ def reference(tmp_path_factory) -> Path:
 def test_srun_two_tasks_run_a_torchrun_style_script_unchanged(slurm, tmp_path, reference):
     out = ok(
         slurm.run(
-            "srun",
-            "-n",
-            "2",
-            "--export=ALL",
-            PY,
-            "-m",
-            "ddpkit",
-            "run",
+            *SRUN_TWO_TASKS,
             *TORCHRUN_STYLE,
             "--out",
             "w.pt",
@@ -128,14 +123,7 @@ def test_the_ported_script_under_srun_and_mpirun_matches_ddpkit_run(slurm, openm
     ok(subprocess.run(local, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path))
     out = ok(
         slurm.run(
-            "srun",
-            "-n",
-            "2",
-            "--export=ALL",
-            PY,
-            "-m",
-            "ddpkit",
-            "run",
+            *SRUN_TWO_TASKS,
             *ported,
             "srun.pt",
             cwd=tmp_path,
