@@ -52,6 +52,25 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     )
 
 
+def plain_torchrun(*args: str, cwd: Path, fresh: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`torchrun --standalone ARGS` (torch's own launcher, a reference for ddpkit's) in `cwd`; must succeed.
+
+    Under plain torchrun a rank sometimes aborts at interpreter exit after a run that succeeded (gloo's threads
+    during finalization: "terminate called without an active exception", SIGABRT), which fails the job. That
+    is torch's behaviour, not the code under test (`ddpkit run` avoids it: see distributed/usermain.py), so
+    such a run is made again from scratch, with the files in `fresh` removed first; any other failure fails.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
+    for _ in range(3):
+        for name in fresh:
+            (Path(cwd) / name).unlink(missing_ok=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(), cwd=cwd)
+        if proc.returncode == 0 or "Signal 6 (SIGABRT)" not in proc.stderr:
+            break
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
 def assert_user_error(proc, *fragments: str) -> str:
     """Exit 2, exactly one `ddpkit: error:` line on stderr, no traceback; returns the line."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

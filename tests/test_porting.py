@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
 import ddpkit
-from conftest import REPO, cli_env, run_cli
+from conftest import REPO, cli_env, plain_torchrun, run_cli
 from ddpkit.data import DistributedLoader
 from ddpkit.errors import UserError, WorkerFailure
 
@@ -351,17 +351,14 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_ported_script_trains_to_the_hand_written_ddp_weights(tmp_path):
-    _run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
+    plain_torchrun(
         "--nproc-per-node",
         "2",
         str(SCRIPTS / "handwritten_ddp.py"),
         "--out",
         "hand.pt",
         cwd=tmp_path,
+        fresh=("hand.pt",),
     )
     proc = run_cli(
         "run", "--nproc-per-node", "2", str(SCRIPTS / "ported.py"), "--out", "ported.pt", cwd=tmp_path

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_env, run_cli
+from conftest import REPO, assert_user_error, cli_env, plain_torchrun, run_cli
 
 SCRIPTS = REPO / "tests" / "scripts"
 ENV_PROBE = """\
@@ -115,12 +115,55 @@ def test_the_first_failures_code_is_the_jobs_not_that_of_the_workers_the_launche
     assert "rank 0 (exit code 5)" in proc.stderr, proc.stderr[-2000:]
 
 
-def python(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=cwd
+RELEASE_PROBE = """\
+import sys
+class Probe:
+    def __del__(self):
+        print(f"released while finalizing: {sys.is_finalizing()}", flush=True)
+def keep():  # a function's globals make a reference cycle: only a garbage collection frees them
+    return probe
+probe = Probe()
+"""
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        pytest.param(["--nproc-per-node", "2"], marks=pytest.mark.slow),
+        pytest.param(["--nproc-per-node", "2", "--launcher", "spawn"], marks=pytest.mark.slow),
+    ],
+    ids=["exec", "torchrun", "spawn"],
+)
+def test_the_scripts_objects_are_released_before_the_interpreter_finalizes(tmp_path, flags):
+    # A DDP model still holding its gloo group, released during interpreter finalization, can abort a rank
+    # that finished its work (SIGABRT, "terminate called without an active exception"): under `python SCRIPT`
+    # the script's globals go only then. Before: "released while finalizing: True".
+    script = tmp_path / "release.py"
+    script.write_text(RELEASE_PROBE)
+    proc = run_cli("run", *flags, str(script), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("released")]
+    assert lines == ["released while finalizing: False"] * (2 if flags else 1), proc.stdout
+
+
+def test_a_scripts_traceback_and_path_are_those_of_python_script(tmp_path):
+    script = tmp_path / "sub" / "boom.py"
+    script.parent.mkdir()
+    script.write_text(
+        "import sys\nprint('path0', sys.path[0], flush=True)\n"
+        "def inner():\n    raise ValueError('bad value in the script')\ninner()\n"
     )
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    return proc
+    proc = run_cli("run", str(script), timeout=60, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert (
+        f"path0 {script.parent}" in proc.stdout
+    )  # the script's folder, not the working folder, as python does
+    frames = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert frames and all(str(script) in f for f in frames), (
+        proc.stderr
+    )  # no launcher frames before the script's
+    assert proc.stderr.rstrip().endswith("ValueError: bad value in the script")
 
 
 def ddpkit_run(*args: str, cwd: Path, timeout: float = 300, ok: bool = True) -> subprocess.CompletedProcess:
@@ -145,17 +188,7 @@ def torchrun_reference(tmp_path_factory) -> Path:
     """torchrun_ddp.py under torch's own torchrun, 2 processes, 3 epochs: the weights every launcher must give."""
     work = tmp_path_factory.mktemp("torchrun")
     script = str(SCRIPTS / "torchrun_ddp.py")
-    python(
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        script,
-        "--out",
-        "w.pt",
-        cwd=work,
-    )
+    plain_torchrun("--nproc-per-node", "2", script, "--out", "w.pt", cwd=work, fresh=("w.pt", "snapshot.pt"))
     return work / "w.pt"
 
 

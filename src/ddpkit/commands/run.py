@@ -7,8 +7,9 @@ script, unchanged, as torchrun would run it — under every launcher.
   with it.
 - Without them, this process is one rank of whatever started it (srun, mpirun, torchrun, the Kubeflow operator,
   or nothing: one process): ddpkit sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR
-  and MASTER_PORT from the launcher's own variables and replaces itself with the script (exec), so the script's
-  output, signals and exit code are its own.
+  and MASTER_PORT from the launcher's own variables and replaces itself with `python -u SCRIPT` (exec), so the
+  script's output, signals and exit code are its own.
+In every case the script runs as `__main__` through distributed/usermain.py, which lets a gloo job end cleanly.
 Everything after SCRIPT (or -m MODULE) belongs to the script.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from collections.abc import Sequence
 
@@ -75,26 +75,9 @@ def _check_target(target: list[str]) -> None:
             raise UserError(f"script '{script}' is a folder", "give a .py file, or -m PACKAGE.MODULE")
 
 
-def run_python(target: list[str]) -> int:
-    """Run `python TARGET` inside this process (a spawned worker): the script as __main__, its exit status."""
-    try:
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(target)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return int(e.code or 0)
-        print(e.code, file=sys.stderr)
-        return 1
-    return 0
-
-
 def _exec(target: list[str]) -> None:
     """Become `python -u TARGET` with torchrun's variables for this rank (never returns)."""
+    from ddpkit.distributed import usermain
     from ddpkit.distributed.env import detect_env, torch_variables
     from ddpkit.distributed.launch import free_port
 
@@ -105,12 +88,13 @@ def _exec(target: list[str]) -> None:
     os.environ.update(variables)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-u", *target])
+    os.execv(sys.executable, [sys.executable, "-u", "-m", usermain.__name__, *target])
 
 
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
     from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args
+    from ddpkit.distributed.usermain import run_released
 
     flags, target = split(argv)
     args = _parser().parse_args(flags)
@@ -131,7 +115,7 @@ def run_command(argv: Sequence[str]) -> int:
         check_cpu_processes(spec.nproc_per_node or 1)
     try:
         if spec.launcher == "spawn":
-            launch_spawn(spec, target, run_python)
+            launch_spawn(spec, target, run_released)
         else:
             launch_elastic(spec, ["-u", *target])
     except Preempted as e:

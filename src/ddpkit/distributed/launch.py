@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddpkit.distributed import signals, warm_start
+from ddpkit.distributed import signals, usermain, warm_start
 from ddpkit.distributed.netif import hosted_endpoint, use_interface
 from ddpkit.distributed.peers import name_lost_nodes, watch
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
@@ -354,7 +354,7 @@ def launch_elastic(
 
         probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
     if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
-        python_args = ["-u", "-m", signals.__name__, *python_args]  # first, then becomes the script
+        python_args = ["-u", "-m", usermain.__name__, *python_args]  # dies with us, runs the script
     entrypoint, args, start_method = sys.executable, tuple(python_args), "spawn"
     if warm is not None and warm_start.running():
         entrypoint, start_method = warm_start.worker, "forkserver"

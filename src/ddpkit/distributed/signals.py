@@ -8,8 +8,7 @@ the launcher.
   or under a warm start the fork server, which itself dies with the launcher. A launcher killed with SIGKILL
   therefore leaves no worker behind.
 
-`python -m ddpkit.distributed.signals ARGS` sets that up, then becomes `python ARGS` (a user's script under
-`ddpkit run`).
+A user's script under `ddpkit run` sets that up through distributed/usermain.py.
 """
 
 from __future__ import annotations
@@ -136,8 +135,3 @@ class Forwarder:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
-
-
-if __name__ == "__main__":  # python -u -m ddpkit.distributed.signals SCRIPT.py ARGS: die with the launcher
-    die_with_launcher()
-    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])

@@ -1,0 +1,85 @@
+"""A user's own script as `__main__` of a ddpkit worker: `python -u -m ddpkit.distributed.usermain SCRIPT.py ARGS`
+(or `-m MODULE ARGS`) runs it as `python SCRIPT.py ARGS` would, with two differences that only show at exit.
+
+- The script runs inside this process (runpy), so when it returns, the objects it made (a DDP model that still
+  holds its process group, the group's gloo threads) are released while the interpreter is fully alive. Under
+  a plain `python SCRIPT.py` they are released during interpreter finalization, where a gloo worker thread that
+  asks for the GIL is ended by Python and the process aborts ("terminate called without an active exception",
+  SIGABRT) after a run that succeeded: the rank, and so the whole job, is reported failed.
+- Then, as ddpkit's own workers do, it waits a moment with the GIL free for gloo's threads to drop finished
+  work (runtime.EXIT_DRAIN_S).
+
+Before that, a worker the launcher started itself arranges to die with the launcher (signals.die_with_launcher).
+The script's exit status is the process's: its SystemExit code, 1 after an uncaught exception (with the
+traceback from the script's own frames, as Python prints it), or death by the signal that ended it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import runpy
+import sys
+import time
+import traceback
+
+
+def run_python(target: list[str]) -> int:
+    """Run `python TARGET` inside this process: the script (or -m MODULE) as __main__; its exit status.
+    An uncaught exception propagates (a spawned worker reports it to its launcher)."""
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _script_frames(tb):
+    """The traceback from the first frame outside this module and runpy: what `python SCRIPT.py` shows."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def run_released(target: list[str]) -> int:
+    """run_python, then release what the script made while the interpreter is alive, and let gloo drain."""
+    try:
+        return run_python(target)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        gc.collect()  # the script's objects in reference cycles (its functions' globals) go now, too
+        if "torch.distributed" in sys.modules:  # no gloo threads without it (and no torch import to pay for)
+            from ddpkit.distributed.runtime import EXIT_DRAIN_S
+
+            time.sleep(EXIT_DRAIN_S)
+
+
+def main(argv: list[str]) -> int:
+    from ddpkit.distributed.signals import die_with_launcher
+
+    die_with_launcher()
+    if argv[:1] == ["-u"]:  # already unbuffered: this process was started with -u
+        argv = argv[1:]
+    if argv[:1] != ["-m"] and sys.path[:1] in ([""], [os.getcwd()]):
+        sys.path.pop(0)  # `python -m` put the working folder first; `python SCRIPT.py` has the script's folder
+    try:
+        return run_released(argv)
+    except Exception as e:
+        traceback.print_exception(type(e), e, _script_frames(e.__traceback__))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
