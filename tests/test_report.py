@@ -6,13 +6,15 @@ import base64
 import io
 import json
 import shutil
+import subprocess
+import sys
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_user_error, run_cli
+from conftest import assert_user_error, cli_env, run_cli
 from ddpkit import report
 from ddpkit.cli import main
 
@@ -222,6 +224,20 @@ def test_default_out_is_report_png_in_the_current_folder(resumed, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert Image.open(tmp_path / "report.png").size == (1200, 800)
     assert f"| {resumed} | 1 | 64 | single | 2 |" in proc.stdout
+
+
+def test_the_report_command_imports_no_torch(resumed, tmp_path):
+    # Before: writing the picture went through the checkpoint module, and a report paid for torch's import.
+    code = (
+        "import sys; from ddpkit.cli import run; "
+        f"code = run(['report', {str(resumed)!r}, '--out', 'r.png']); "
+        "print('torch' in sys.modules); sys.exit(code)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=cli_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == "False" and (tmp_path / "r.png").is_file()
 
 
 def _bad_runs(base, tmp_path) -> dict[str, tuple[list[str], str]]:

@@ -5,91 +5,26 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from ddpkit.atomicio import atomic_write
 from ddpkit.errors import UserError, first_line
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
 TRAIN_KEYS = ("model", "epoch", "step")  # what every `ddpkit train` checkpoint holds
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it where Linux allows (/proc), else set and restored."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> Path:
-    """write(fh) into a temporary file in path's folder, fsync, rename over path: readers never see half a file.
-
-    A kill at any moment leaves the old file or the new one; the temporary of a killed write is swept by
-    CheckpointDir.newest_complete.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes 0600; the file is the user's, as open() would make it
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        cause = _os_cause(e)
-        if cause is not None:  # a full disk, a size limit, ...: name the file (torch's writer names nothing)
-            raise OSError(cause.errno, cause.strerror, str(path)) from None
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _os_cause(e: BaseException) -> OSError | None:
-    """The OSError behind a failed write: `e` itself, or what torch's zip writer turned into `unexpected pos`."""
-    seen = 0
-    while e is not None and seen < 5:
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        e, seen = (e.__cause__ or e.__context__), seen + 1
-    return None
-
-
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """torch.save, atomically (temporary file, fsync, rename)."""
-    return _atomic_write(Path(path), lambda fh: torch.save(state, fh))
+    return atomic_write(Path(path), lambda fh: torch.save(state, fh))
 
 
 def save_text(path: str | os.PathLike, text: str) -> Path:
     """Write a text file atomically (temporary file, fsync, rename)."""
-    return _atomic_write(Path(path), lambda fh: fh.write(text.encode("utf-8")))
+    return atomic_write(Path(path), lambda fh: fh.write(text.encode("utf-8")))
 
 
 def _place(src: Path, dst: Path) -> None:
@@ -99,7 +34,7 @@ def _place(src: Path, dst: Path) -> None:
         with open(src, "rb") as inp:
             shutil.copyfileobj(inp, out, length=16 << 20)
 
-    _atomic_write(dst, copy)
+    atomic_write(dst, copy)
 
 
 def unreadable_reason(e: BaseException) -> str:

@@ -176,13 +176,9 @@ def check_output(path: str | os.PathLike | None, suffix: str, flag: str) -> Path
 
 def write_bytes(path: Path, data: bytes) -> Path:
     """Atomic write (temporary file, fsync, rename): a reader never sees half a picture or table."""
-    from ddpkit.checkpoint import _atomic_write
+    from ddpkit.atomicio import atomic_write
 
-    _atomic_write(path, lambda fh: fh.write(data))
-    umask = os.umask(0)  # a picture or page to share: the usual file mode, not the temporary file's 0600
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-    return path
+    return atomic_write(path, lambda fh: fh.write(data))  # mode 0666 less the umask, as open() makes it
 
 
 def _finite(v: Any) -> Any:

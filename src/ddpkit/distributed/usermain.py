@@ -73,7 +73,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["-u"]:  # already unbuffered: this process was started with -u
         argv = argv[1:]
     if argv[:1] != ["-m"] and sys.path[:1] in ([""], [os.getcwd()]):
-        sys.path.pop(0)  # `python -m` put the working folder first; `python SCRIPT.py` has the script's folder
+        sys.path.pop(
+            0
+        )  # `python -m` put the working folder first; `python SCRIPT.py` has the script's folder
     try:
         return run_released(argv)
     except Exception as e:
