@@ -219,6 +219,16 @@ def test_write_curves_on_a_real_run(resumed, tmp_path):
     assert all(count_color(box, "C0") > 10 for box in panels(path, [run]))
 
 
+def test_a_one_node_launch_draws_its_curves_in_the_launcher(resumed, two_procs):
+    # --nproc-per-node 2: the launcher imported matplotlib while the workers trained and drew the picture after
+    # them; rank 0 did not (it says so in log.txt when it does, as the single process of `resumed` did).
+    assert "curves: " in (resumed / "log.txt").read_text()
+    assert "curves: " not in (two_procs / "log.txt").read_text()
+    path = two_procs / "curves.png"
+    assert Image.open(path).size == (1200, 800)
+    assert all(count_color(box, "C0") > 10 for box in panels(path, [two_procs]))
+
+
 def test_default_out_is_report_png_in_the_current_folder(resumed, tmp_path):
     proc = run_cli("report", str(resumed), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -291,3 +301,17 @@ def test_bad_input_from_the_command_line(resumed, tmp_path):
     proc = run_cli("report", str(resumed), str(tmp_path / "nope"), "--out", str(tmp_path / "r.png"))
     assert_user_error(proc, "run directory", "does not exist")
     assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "curves", "draws"), [(1, True, True), (2, True, False), (1, False, False)]
+)
+def test_only_a_one_node_launcher_draws_the_curves(nnodes, curves, draws):
+    # with several nodes a launcher cannot know whether rank 0 is on its node: rank 0 draws
+    from ddpkit.commands import train
+    from ddpkit.config import load_config
+    from ddpkit.distributed.launch import LaunchSpec
+
+    cfg = load_config(None, [f"report.curves={str(curves).lower()}"])
+    tail = train.in_launcher(cfg, LaunchSpec(nnodes=nnodes, nproc_per_node=2))
+    assert (tail is not None) is draws

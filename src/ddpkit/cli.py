@@ -8,8 +8,10 @@ only here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ddpkit.commands import COMMANDS, Command
 from ddpkit.errors import Failure, UserError
@@ -149,15 +151,21 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
             warm_start.start(
                 preload(cfg)
             )  # it imports torch for the workers while we import it for the agent
+        in_launcher = getattr(command.module, "in_launcher", None)
+        tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
             preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
-            if spec.launcher == "spawn":
-                launch_spawn(spec, worker_argv(argv), run)
-            else:
-                python_args = ["-u", "-m", "ddpkit", *worker_argv(argv)]
-                launch_elastic(spec, python_args, warm=(main, worker_argv(argv)))
+            with tail if tail is not None else contextlib.nullcontext():
+                if spec.launcher == "spawn":
+                    launch_spawn(spec, worker_argv(argv), run)
+                else:
+                    python_args = ["-u", "-m", "ddpkit", *worker_argv(argv)]
+                    launch_elastic(spec, python_args, warm=(main, worker_argv(argv)))
         finally:
             warm_start.stop()
+        path = tail.draw() if tail is not None else None
+        if path is not None:
+            print(f"curves: {path}", flush=True)
         return 0
 
     from ddpkit.distributed.env import detect_env, manual_env
@@ -209,4 +217,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         from ddpkit.metrics import silence_stdout
 
         silence_stdout()
+    if _finished_launcher():
+        _exit_without_finalization(code)
     sys.exit(code)
+
+
+def _finished_launcher() -> bool:
+    """This process is the `ddpkit` program (not a library caller of main()) and it started workers."""
+    launch = sys.modules.get("ddpkit.distributed.launch")
+    if launch is None or not launch.launched():
+        return False
+    from ddpkit.distributed.warm_start import main_is_ddpkit
+
+    return main_is_ddpkit()
+
+
+def _exit_without_finalization(code: int) -> NoReturn:
+    """End a launcher whose workers have finished as a normal exit would (non-daemon threads joined, atexit
+    handlers run, streams flushed), but without the interpreter's finalization: with torch loaded it takes
+    about 0.5 s (module teardown, C++ static destructors) that the job's command would wait for, and a launcher
+    has nothing left for it to do."""
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -364,6 +364,54 @@ def write_curves(out_dir: str | os.PathLike) -> Path:
     return write_bytes(run.path / "curves.png", png_bytes(fig))
 
 
+LAUNCHER_DRAWS_VAR = "DDPKIT_LAUNCHER_DRAWS_CURVES"  # "1": the launcher draws curves.png, not rank 0
+
+
+def launcher_draws() -> bool:
+    """In a worker: whether the launcher that started it draws curves.png when the workers have finished."""
+    return os.environ.get(LAUNCHER_DRAWS_VAR) == "1"
+
+
+class LauncherCurves:
+    """curves.png drawn by a one-node launcher (`ddpkit train --nproc-per-node N`) instead of rank 0.
+
+    The launcher is idle while its workers start and train: it imports matplotlib meanwhile, in a thread, and
+    draws the picture once they have finished, instead of rank 0 importing matplotlib (about 0.5 s) at the end of
+    the run while the whole job waits. `with LauncherCurves(out_dir): launch...` tells the workers (through
+    LAUNCHER_DRAWS_VAR, which they inherit); then `draw()` after a launch that succeeded. Under any other
+    launcher (torchrun, srun, several nodes: a launcher cannot know whether rank 0 is on its node) rank 0 draws.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike):
+        import threading
+
+        self.out_dir = out_dir
+        self._imports = threading.Thread(target=self._import, name="ddpkit-matplotlib", daemon=True)
+
+    @staticmethod
+    def _import() -> None:
+        import matplotlib.backends.backend_agg  # noqa: F401  what figure() and png_bytes() import
+        import matplotlib.figure  # noqa: F401
+        import matplotlib.ticker  # noqa: F401
+
+    def __enter__(self) -> LauncherCurves:
+        os.environ[LAUNCHER_DRAWS_VAR] = "1"
+        self._imports.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.environ.pop(LAUNCHER_DRAWS_VAR, None)
+
+    def draw(self) -> Path | None:
+        """curves.png of the run that just ended (None when it wrote no metrics line: nothing to draw)."""
+        from ddpkit.metrics import read_metrics
+
+        self._imports.join()
+        if not read_metrics(self.out_dir):
+            return None
+        return write_curves(self.out_dir)
+
+
 def html_page(png: bytes, head: list[str], body: list[list[str]], runs: list[Run], names: list[str]) -> str:
     """One self-contained HTML file: the picture inline, the table, each run's config; no scripts, no links."""
     e = html.escape

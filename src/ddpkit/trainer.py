@@ -345,10 +345,11 @@ class Trainer:
             self.log.info(
                 f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
             )
-        if self.cfg.report.curves and self.ctx.is_main and read_metrics(self.cfg.out_dir):
-            from ddpkit.report import write_curves
+        from ddpkit import report
 
-            self.log.info(f"curves: {write_curves(self.cfg.out_dir)}")
+        if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
+            if read_metrics(self.cfg.out_dir):
+                self.log.info(f"curves: {report.write_curves(self.cfg.out_dir)}")
         return last
 
     @contextlib.contextmanager

@@ -37,7 +37,16 @@ def preload(cfg: Config) -> list[str]:
     modules += ["torch.distributed.elastic.multiprocessing.api", "ddpkit.config_yaml", "ddpkit.data.builtin"]
     if cfg.model.arch not in ("cnn", "mlp") or cfg.data.dataset not in ("digits", "synthetic"):
         modules.append("torchvision")
-    return modules  # not matplotlib: rank 0 alone draws curves.png, once training has ended
+    return modules  # not matplotlib: the launcher draws curves.png (in_launcher)
+
+
+def in_launcher(cfg: Config, spec):
+    """What the launcher of a one-node launch does for the run itself: draw curves.png (report.LauncherCurves)."""
+    if not cfg.report.curves or spec.nnodes != 1:
+        return None
+    from ddpkit.report import LauncherCurves
+
+    return LauncherCurves(cfg.out_dir)
 
 
 def train_command(cfg: Config, args, ctx: DistContext) -> int:

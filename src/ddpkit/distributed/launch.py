@@ -313,6 +313,19 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     return e
 
 
+_LAUNCHED = False
+
+
+def _launched() -> None:
+    global _LAUNCHED
+    _LAUNCHED = True
+
+
+def launched() -> bool:
+    """Whether this process started workers (launch_elastic or launch_spawn ran in it)."""
+    return _LAUNCHED
+
+
 def launch_elastic(
     spec: LaunchSpec,
     python_args: Sequence[str],
@@ -327,6 +340,7 @@ def launch_elastic(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _launched()
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
     if spec.rdzv_endpoint:  # c10d: any node may start first; the rendezvous assigns node ranks
@@ -442,6 +456,7 @@ def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]]
     """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn."""
     import torch.multiprocessing as mp
 
+    _launched()
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
     addr = spec.master_addr or "127.0.0.1"

@@ -265,9 +265,13 @@ def _drain_at_exit() -> None:
     (a script whose last line is a collective), the thread asks for the GIL during interpreter finalization,
     Python ends the thread, and the unwinding through a C++ destructor aborts the process ("terminate called
     without an active exception", SIGABRT) after a run that succeeded. A short wait here, before
-    finalization starts and with the GIL free, lets the thread finish first.
+    finalization starts and with the GIL free, lets the thread finish first. A worker forked from the fork
+    server ends with os._exit, without finalization: it need not wait.
     """
-    time.sleep(EXIT_DRAIN_S)
+    from ddpkit.distributed import warm_start
+
+    if not warm_start.ends_without_finalization():
+        time.sleep(EXIT_DRAIN_S)
 
 
 def current() -> DistContext | None:
