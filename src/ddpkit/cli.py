@@ -155,12 +155,13 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
         tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
             preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
+            meanwhile = tail.start if tail is not None else None
             with tail if tail is not None else contextlib.nullcontext():
                 if spec.launcher == "spawn":
-                    launch_spawn(spec, worker_argv(argv), run)
+                    launch_spawn(spec, worker_argv(argv), run, meanwhile)
                 else:
                     python_args = ["-u", "-m", "ddpkit", *worker_argv(argv)]
-                    launch_elastic(spec, python_args, warm=(main, worker_argv(argv)))
+                    launch_elastic(spec, python_args, warm=(main, worker_argv(argv)), meanwhile=meanwhile)
         finally:
             warm_start.stop()
         path = tail.draw() if tail is not None else None

@@ -378,7 +378,8 @@ class LauncherCurves:
     The launcher is idle while its workers start and train: it imports matplotlib meanwhile, in a thread, and
     draws the picture once they have finished, instead of rank 0 importing matplotlib (about 0.5 s) at the end of
     the run while the whole job waits. `with LauncherCurves(out_dir): launch...` tells the workers (through
-    LAUNCHER_DRAWS_VAR, which they inherit); then `draw()` after a launch that succeeded. Under any other
+    LAUNCHER_DRAWS_VAR, which they inherit), the launch calls `start()`, and `draw()` follows a launch that
+    succeeded. Under any other
     launcher (torchrun, srun, several nodes: a launcher cannot know whether rank 0 is on its node) rank 0 draws.
     """
 
@@ -388,6 +389,11 @@ class LauncherCurves:
         self.out_dir = out_dir
         self._imports = threading.Thread(target=self._import, name="ddpkit-matplotlib", daemon=True)
 
+    def start(self) -> None:
+        """Begin the imports; called once the launcher's own imports are done (two threads importing at once
+        can trip Python's import-deadlock detection on a module both need)."""
+        self._imports.start()
+
     @staticmethod
     def _import() -> None:
         import matplotlib.backends.backend_agg  # noqa: F401  what figure() and png_bytes() import
@@ -396,7 +402,6 @@ class LauncherCurves:
 
     def __enter__(self) -> LauncherCurves:
         os.environ[LAUNCHER_DRAWS_VAR] = "1"
-        self._imports.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -406,7 +411,8 @@ class LauncherCurves:
         """curves.png of the run that just ended (None when it wrote no metrics line: nothing to draw)."""
         from ddpkit.metrics import read_metrics
 
-        self._imports.join()
+        if self._imports.is_alive():
+            self._imports.join()
         if not read_metrics(self.out_dir):
             return None
         return write_curves(self.out_dir)

@@ -330,17 +330,21 @@ def launch_elastic(
     spec: LaunchSpec,
     python_args: Sequence[str],
     warm: tuple[Callable[[list[str]], Any], list[str]] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """Run `python PYTHON_ARGS` on nproc_per_node workers per node via torch's elastic agent (as torchrun does).
 
     `warm` = (fn, argv): when warm_start.start() ran, each worker is instead forked from its fork server and
-    runs fn(argv), as `python PYTHON_ARGS` would have run it.
+    runs fn(argv), as `python PYTHON_ARGS` would have run it. `meanwhile()` is called once this launcher's own
+    imports are done: it starts what the launcher does while its workers run.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _launched()
+    if meanwhile is not None:
+        meanwhile()
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
     if spec.rdzv_endpoint:  # c10d: any node may start first; the rendezvous assigns node ranks
@@ -452,11 +456,19 @@ def _spawn_entry(
         sys.exit(code)
 
 
-def launch_spawn(spec: LaunchSpec, argv: Sequence[str], fn: Callable[[list[str]], int]) -> None:
-    """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn."""
+def launch_spawn(
+    spec: LaunchSpec,
+    argv: Sequence[str],
+    fn: Callable[[list[str]], int],
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn (`meanwhile`: as for
+    launch_elastic)."""
     import torch.multiprocessing as mp
 
     _launched()
+    if meanwhile is not None:
+        meanwhile()
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
     addr = spec.master_addr or "127.0.0.1"
