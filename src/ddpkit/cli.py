@@ -238,15 +238,13 @@ def _exit_without_finalization(code: int) -> NoReturn:
     handlers run, streams flushed), but without the interpreter's finalization: with torch loaded it takes
     about 0.5 s (module teardown, C++ static destructors) that the job's command would wait for, and a launcher
     has nothing left for it to do."""
-    import atexit
     import os
     import threading
+
+    from ddpkit.distributed.warm_start import exit_steps
 
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    exit_steps()
     os._exit(code)

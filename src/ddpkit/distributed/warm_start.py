@@ -90,6 +90,15 @@ class LaunchEnviron:
         return dict, (dict(os.environ),)
 
 
+def exit_steps() -> None:
+    """What a normal exit does before the interpreter's finalization, for a process that ends with os._exit:
+    atexit handlers run, standard streams flushed."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, str]) -> None:
     """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
     from ddpkit.distributed import warm_server
@@ -113,10 +122,7 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     except BaseException:  # what the interpreter does with an uncaught exception
         sys.excepthook(*sys.exc_info())
         code = 1
-    atexit._run_exitfuncs()  # the worker ends with os._exit: run them as a normal exit would
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    exit_steps()  # the worker ends with os._exit
     if code:
         raise SystemExit(code)
 
