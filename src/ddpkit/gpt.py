@@ -1,0 +1,122 @@
+"""The built-in GPT-2-style decoder (`model.arch=gpt`), written so that every parallel layout can cut it.
+
+Shaped for tensor and pipeline parallelism:
+- attention has separate `wq`, `wk`, `wv` (column-parallel) and `wo` (row-parallel) projections, and counts its
+  heads from the tensor it gets (`view(B, T, -1, head_dim)`), so a rank holding n_head / tp heads just works;
+- the blocks sit in a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the blocks it does not run and
+  every parameter keeps its full-model name (checkpoints of any layout use the same keys);
+- `forward` skips a part set to None (`tok_emb`/`pos_emb` on later stages, `ln_f`/`head` on earlier ones), so a
+  stage is the same class with some parts removed: it takes token ids or hidden states and returns hidden
+  states or logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
+        self.head_dim = n_embd // n_head
+        self.wq = nn.Linear(n_embd, n_embd)
+        self.wk = nn.Linear(n_embd, n_embd)
+        self.wv = nn.Linear(n_embd, n_embd)
+        self.wo = nn.Linear(n_embd, n_embd)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        # -1: the heads this rank holds (all of them, or n_head / tp under tensor parallelism)
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_drop(self.wo(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab_size); a pipeline stage may hold only some of the parts."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.tok_emb: nn.Module | None = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb: nn.Module | None = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(n_embd, n_head, dropout) for i in range(n_layer)})
+        self.ln_f: nn.Module | None = nn.LayerNorm(n_embd)
+        self.head: nn.Module | None = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
+            if name.endswith(("wo.weight", "proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:  # the first stage (or the whole model): token ids in
+            t = x.shape[1]
+            pos = torch.arange(t, device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.head is not None:  # the last stage (or the whole model): logits out
+            x = self.head(x)
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
