@@ -49,6 +49,7 @@ class DataConfig:
     pin_memory: bool = opt(
         True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
     )
+    block_size: int = opt(128, "text: characters of context per sample", gt=1)
     skip_corrupt: bool = opt(
         False,
         "false: an undecodable sample (a damaged image file) is an error naming the file; true: it is left "
@@ -75,6 +76,13 @@ class ModelConfig:
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
     )
+    activation_checkpointing: Literal["none", "full"] = opt(
+        "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
+    )
+    n_layer: int = opt(4, "gpt: transformer blocks", gt=0)
+    n_head: int = opt(4, "gpt: attention heads per block (n_embd must be a multiple)", gt=0)
+    n_embd: int = opt(128, "gpt: embedding width", gt=0)
+    dropout: float = opt(0.0, "gpt: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1)
 
 
 @dataclass
@@ -138,10 +146,22 @@ class DistConfig:
     backend: Literal["auto", "gloo", "nccl", "mpi"] = opt(
         "auto", "torch.distributed backend; auto: nccl on CUDA devices, gloo otherwise"
     )
-    strategy: Literal["auto", "single", "dp", "ddp", "zero1", "fsdp"] = opt(
+    strategy: Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "fsdp"] = opt(
         "auto",
-        "auto (ddp with several processes, single with one), single, dp (DataParallel in one process), "
-        "ddp, zero1 (ddp with the optimizer state sharded), fsdp",
+        "what happens over the data-parallel ranks: auto (ddp with several, single with one), single, "
+        "dp (DataParallel in one process), ddp, zero1 (optimizer state sharded), zero2 (gradients and "
+        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too)",
+    )
+    tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
+    pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = opt(
+        "1f1b", "pipeline schedule (torch.distributed.pipelining)"
+    )
+    pp_microbatches: int | None = opt(
+        None, "micro-batches per optimizer step through the pipeline; null: 2 x dist.pp", gt=0
+    )
+    offload: Literal["none", "cpu"] = opt(
+        "none", "cpu: parameters, gradients and optimizer state kept in CPU memory (fsdp, zero2)"
     )
     timeout_s: float = opt(
         600.0,
@@ -182,6 +202,11 @@ class CheckpointConfig:
         nonblank=True,
     )
     keep: int = opt(3, "epoch checkpoints to keep (last.pt and best.pt besides)", gt=0)
+    format: Literal["full", "sharded"] = opt(
+        "full",
+        "full: one torch.save file written by rank 0; sharded: torch.distributed.checkpoint, one folder in "
+        "which each rank writes its own shards (loading reads either, at any world size and layout)",
+    )
     path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
     every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)
     every_minutes: float = opt(0.0, "also checkpoint every N minutes of training (0: off)", ge=0)
