@@ -12,9 +12,9 @@ from conftest import REPO, run_cli
 from ddpkit.config import load_config
 from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.runtime import current
-from ddpkit.distributed.strategy import build_strategy
 from ddpkit.errors import UserError
 from ddpkit.metrics import read_metrics
+from ddpkit.parallel.strategy import build_strategy
 
 
 def _batches(n: int, seed: int):

@@ -1,4 +1,4 @@
-"""Parallel strategies (ddpkit.distributed.strategy) on real gloo groups: wrapping, gradient sync, full state."""
+"""Parallel strategies (ddpkit.parallel.strategy) on real gloo groups: wrapping, gradient sync, full state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 
 from conftest import run_group
 from ddpkit.distributed.collectives import broadcast_object
-from ddpkit.distributed.strategy import Strategy, build_strategy, resolve_strategy
 from ddpkit.errors import UserError
+from ddpkit.parallel.strategy import Strategy, build_strategy, resolve_strategy
 from test_trainer import dist_context, plain
 
 

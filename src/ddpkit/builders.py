@@ -16,8 +16,8 @@ from ddpkit import data, models
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import rank_zero_first, seed_model_init
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.strategy import Strategy
 from ddpkit.errors import UserError, first_line
+from ddpkit.parallel.strategy import Strategy
 
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

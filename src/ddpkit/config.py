@@ -82,7 +82,9 @@ class ModelConfig:
     n_layer: int = opt(4, "gpt: transformer blocks", gt=0)
     n_head: int = opt(4, "gpt: attention heads per block (n_embd must be a multiple)", gt=0)
     n_embd: int = opt(128, "gpt: embedding width", gt=0)
-    dropout: float = opt(0.0, "gpt: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1)
+    dropout: float = opt(
+        0.0, "gpt: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1
+    )
 
 
 @dataclass
@@ -146,11 +148,13 @@ class DistConfig:
     backend: Literal["auto", "gloo", "nccl", "mpi"] = opt(
         "auto", "torch.distributed backend; auto: nccl on CUDA devices, gloo otherwise"
     )
-    strategy: Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "fsdp"] = opt(
+    strategy: str = opt(
         "auto",
         "what happens over the data-parallel ranks: auto (ddp with several, single with one), single, "
         "dp (DataParallel in one process), ddp, zero1 (optimizer state sharded), zero2 (gradients and "
-        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too)",
+        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too), or a strategy registered "
+        "with ddpkit.parallel.register_strategy or the ddpkit.strategies entry point",
+        nonblank=True,
     )
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
@@ -327,6 +331,10 @@ def load_config(
         raise UserError(
             "dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU"
         )
+    from ddpkit.parallel.strategy import get_strategy  # the registry knows every strategy, built-in or not
+
+    if cfg.dist.strategy != "auto":
+        get_strategy(cfg.dist.strategy)
     _check_ddp_knobs(cfg.dist)
     from ddpkit.data.registry import get_dataset  # the registry knows every data set, built-in or not
 
@@ -346,7 +354,9 @@ def _check_ddp_knobs(d: DistConfig) -> None:
         )
         if v != default
     ]
-    if knobs and d.strategy in ("single", "dp", "fsdp"):
+    from ddpkit.parallel.strategy import get_strategy
+
+    if knobs and d.strategy != "auto" and not get_strategy(d.strategy).ddp_knobs:
         raise UserError(
             f"{knobs[0]} is a DDP setting, but dist.strategy={d.strategy} has no DDP wrapper",
             "use dist.strategy=ddp, zero1 or auto, or drop the setting",

@@ -19,10 +19,8 @@ from torch.utils.data import DataLoader
 
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
-from ddpkit.distributed.strategy import Strategy, build_strategy, unwrap_module
 from ddpkit.errors import UserError
-
-STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp")
+from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -86,10 +84,11 @@ def prepare(
     other arguments (shuffled -> training, unshuffled -> exact evaluation); `seed` seeds the shared shuffle.
     LR schedulers and anything else: returned as they are. Initialises the process group if nobody did.
     """
-    if strategy not in STRATEGIES:
-        raise UserError(
-            f"ddpkit.prepare: unknown strategy '{strategy}'", "use one of " + ", ".join(STRATEGIES)
-        )
+    if strategy != "auto":
+        try:
+            get_strategy(strategy, key="strategy")
+        except UserError as e:
+            raise UserError(f"ddpkit.prepare: {e.what}", e.hint) from None
     ctx = _context()
     models = [o for o in objects if isinstance(o, nn.Module)]
     if len(models) > 1:
@@ -104,9 +103,9 @@ def prepare(
         before = list(model.parameters())
         out[id(models[0])] = chosen.wrap(model)
         for opt in optimizers:
-            if chosen.name in ("zero1", "fsdp"):
+            if chosen.entry.remakes_optimizer:
                 out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
-    elif optimizers and chosen.name in ("zero1", "fsdp"):
+    elif optimizers and chosen.entry.remakes_optimizer:
         raise UserError(
             f"ddpkit.prepare(strategy='{chosen.name}') needs the model too", "pass model and optimizer"
         )

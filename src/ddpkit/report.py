@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UserError
+from ddpkit.parallel.strategy import resolve_strategy
 
 MAX_METRICS_BYTES = 64 << 20
 MAX_CONFIG_BYTES = 1 << 20
@@ -237,8 +238,8 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
             break
     world = rows[-1].get("world_size")
     strategy = run.config.get("dist.strategy", "auto")
-    if strategy == "auto":
-        strategy = "ddp" if (world or 1) > 1 else "single"
+    if strategy == "auto":  # what `auto` resolved to (ddpkit.parallel.strategy.resolve_strategy)
+        strategy = resolve_strategy("auto", world or 1)
     return {
         "run": str(run.path),
         "label": label,

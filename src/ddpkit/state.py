@@ -49,21 +49,10 @@ def _check_plain(value: Any, where: str) -> None:
 
 def _strategy(model: nn.Module, optimizer: Any):
     """The Strategy that knows how to read and write this (prepared) model's and optimizer's full state."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     from ddpkit.distributed.runtime import current, init_distributed
-    from ddpkit.distributed.strategy import FSDPStrategy, Strategy, Zero1Strategy
+    from ddpkit.parallel.strategy import strategy_of
 
-    ctx = current() or init_distributed()
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # older torch without FSDP2
-        FSDPModule = ()  # noqa: N806
-    if isinstance(model, FSDPModule):
-        return FSDPStrategy(ctx)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return Zero1Strategy(ctx)
-    return Strategy(ctx)
+    return strategy_of(model, optimizer, current() or init_distributed())
 
 
 def save_state(path: str | os.PathLike, *, model: nn.Module, optimizer: Any = None, **objects: Any) -> Path:

@@ -34,8 +34,8 @@ from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.distributed.strategy import build_strategy, ddp_options
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
 from ddpkit.train_state import TrainState
 

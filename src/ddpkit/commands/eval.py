@@ -8,8 +8,8 @@ from ddpkit.checkpoint import load_checkpoint
 from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
 from ddpkit.config import Config, load_config
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.strategy import Strategy
 from ddpkit.errors import UserError
+from ddpkit.parallel.strategy import Strategy
 
 
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:

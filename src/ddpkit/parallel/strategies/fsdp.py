@@ -1,0 +1,91 @@
+"""fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def shard_options(self) -> dict:
+        """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
+        return {}
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        options = self.shard_options()
+        for child in model.children():  # one shard group per top-level block, then the root
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, **options)
+        fully_shard(model, **options)
+        return model
+
+    def unwrap(self, wrapped):
+        return wrapped
+
+    def eval_module(self, wrapped):
+        return wrapped
+
+    @property
+    def collective_forward(self) -> bool:
+        return True
+
+    def sync_context(self, wrapped, sync):
+        wrapped.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def model_state(self, wrapped):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(wrapped, options=self._options())
+
+    def optimizer_state(self, wrapped, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        sd = get_optimizer_state_dict(wrapped, optimizer, options=self._options())
+        return sd if self.ctx.rank == 0 else None
+
+    def load(self, wrapped, optimizer, model_sd, optim_sd):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(wrapped, model_sd, options=opts)
+        if optimizer is not None and optim_sd is not None:
+            set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
+
+
+def _recognizes(model, optimizer) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # older torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+ENTRY = register_strategy(
+    StrategyEntry(
+        "fsdp",
+        FSDPStrategy,
+        "FSDP2, ZeRO-3: parameters, gradients and optimizer state sharded",
+        shards=("optimizer", "gradients", "parameters"),
+        remakes_optimizer=True,
+        recognizes=_recognizes,
+    )
+)

@@ -1,0 +1,7 @@
+"""single: one process, the plain module."""
+
+from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+
+ENTRY = register_strategy(
+    StrategyEntry("single", Strategy, "one process, the plain module", one_process=True, needs_group=False)
+)

@@ -1,0 +1,43 @@
+"""zero1: DDP plus ZeroRedundancyOptimizer: each rank keeps 1/N of the optimizer state."""
+
+from __future__ import annotations
+
+from ddpkit.parallel.strategies.ddp import DDPStrategy
+from ddpkit.parallel.strategy import StrategyEntry, register_strategy
+
+
+class Zero1Strategy(DDPStrategy):
+    name = "zero1"
+
+    def build_optimizer(self, model, factory):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        template = factory(model)
+        defaults = {
+            k: v for k, v in template.defaults.items() if k not in ("differentiable", "foreach", "fused")
+        }
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **defaults)
+
+    def optimizer_state(self, wrapped, optimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if self.ctx.rank == 0 else None
+
+
+def _recognizes(model, optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+ENTRY = register_strategy(
+    StrategyEntry(
+        "zero1",
+        Zero1Strategy,
+        "ddp with the optimizer state sharded (ZeroRedundancyOptimizer)",
+        shards=("optimizer",),
+        remakes_optimizer=True,
+        ddp_knobs=True,
+        compression=True,
+        recognizes=_recognizes,
+    )
+)

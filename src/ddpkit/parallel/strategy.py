@@ -1,0 +1,244 @@
+"""The strategy registry: one `StrategyEntry` per dist.strategy, and the `Strategy` interface the trainer,
+`ddpkit.prepare`, `save_state` and `ddpkit eval` call.
+
+Adding a strategy is one module that defines a `Strategy` subclass and registers its entry (see
+`ddpkit.parallel.strategies.ddp`), from inside ddpkit or from a package of your own (an entry point in the
+`ddpkit.strategies` group, loaded when its name is first asked for). Everything else (config validation,
+`prepare`, `save_state`, report, the trainer) asks the registry, never a list of names. Importing this module
+imports no torch, so the config can check a name cheaply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ddpkit.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from ddpkit.distributed.compression import Compression
+    from ddpkit.distributed.runtime import DistContext
+
+ENTRY_POINT_GROUP = "ddpkit.strategies"
+SHARDABLE = ("optimizer", "gradients", "parameters")
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One dist.strategy: its class and the facts others ask about it.
+
+    `shards`: which of optimizer / gradients / parameters each rank keeps only a part of;
+    `remakes_optimizer`: the optimizer must be built over the wrapped model (prepare() re-makes a user's);
+    `one_process`: runs in a single process only (single, dp); `needs_group`: without a process group the plain
+    module computes the same numbers, so one process falls back to `single`;
+    `ddp_knobs`: takes DDP's keyword arguments (dist.bucket_cap_mb, static_graph, grad_as_bucket_view);
+    `compression`: registers a gradient-compression hook (dist.grad_compression);
+    `recognizes(model, optimizer)`: true when prepared objects are this strategy's (save_state/load_state).
+    """
+
+    name: str
+    cls: type[Strategy]
+    summary: str
+    shards: tuple[str, ...] = ()
+    remakes_optimizer: bool = False
+    one_process: bool = False
+    needs_group: bool = True
+    ddp_knobs: bool = False
+    compression: bool = False
+    recognizes: Callable[[Any, Any], bool] | None = None
+
+    def __post_init__(self):
+        unknown = set(self.shards) - set(SHARDABLE)
+        if unknown:
+            raise ValueError(
+                f"strategy '{self.name}': shards must be among {SHARDABLE}, got {sorted(unknown)}"
+            )
+
+
+_REGISTRY: dict[str, StrategyEntry] = {}
+
+
+def register_strategy(entry: StrategyEntry, *, replace: bool = False) -> StrategyEntry:
+    """Make `entry.name` a valid dist.strategy; refuses to shadow a registered name unless replace=True."""
+    if entry.name == "auto":
+        raise ValueError("'auto' is not a strategy name: it picks one")
+    if entry.name in _REGISTRY and not replace and _REGISTRY[entry.name] is not entry:
+        raise ValueError(f"strategy '{entry.name}' is already registered")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+BUILTIN = ("single", "dp", "ddp", "zero1", "fsdp")  # modules of ddpkit.parallel.strategies, in this order
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for name in BUILTIN:  # each module registers its entry
+        importlib.import_module(f"ddpkit.parallel.strategies.{name}")
+
+
+def _from_entry_points(name: str) -> StrategyEntry | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            obj = ep.load()
+            entry = obj() if callable(obj) and not isinstance(obj, StrategyEntry) else obj
+            if not isinstance(entry, StrategyEntry):
+                raise UserError(
+                    f"entry point '{ep.value}' for strategy '{name}' gave {type(entry).__name__}",
+                    "it must name a ddpkit.parallel.StrategyEntry (or a function returning one)",
+                )
+            return register_strategy(entry, replace=True)
+    return None
+
+
+def strategy_names() -> list[str]:
+    """Every registered strategy name (built-in ones first)."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get_strategy(name: str, key: str = "dist.strategy") -> StrategyEntry:
+    """The entry for strategy `name`; a UserError naming the valid ones when there is none."""
+    _load_builtin()
+    entry = _REGISTRY.get(name) or _from_entry_points(name)
+    if entry is None:
+        import difflib
+
+        names = ["auto", *_REGISTRY]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(names)
+        raise UserError(f"unknown {key} '{name}'", hint)
+    return entry
+
+
+def resolve_strategy(name: str, world_size: int) -> str:
+    """`auto` -> ddp with several processes, single with one; refuse combinations that cannot work."""
+    if name == "auto":
+        return "ddp" if world_size > 1 else "single"
+    if get_strategy(name).one_process and world_size > 1:
+        raise UserError(
+            f"dist.strategy={name} runs one process but {world_size} were started",
+            "use dist.strategy=ddp (or auto) with several processes",
+        )
+    return name
+
+
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """The module inside DDP, DataParallel and torch.compile wrappers."""
+    import torch.nn as nn
+
+    while isinstance(inner := getattr(model, "module", None) or getattr(model, "_orig_mod", None), nn.Module):
+        model = inner
+    return model
+
+
+class Strategy:
+    """How the model and optimizer are spread over the ranks. Subclasses override what differs; the base class
+    is the single-process strategy (the plain module)."""
+
+    name = "single"
+
+    def __init__(
+        self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
+    ):
+        self.ctx = ctx
+        self.ddp_options = dict(ddp_options or {})  # DistributedDataParallel's own keyword arguments
+        self.compression = compression
+
+    @property
+    def entry(self) -> StrategyEntry:
+        return get_strategy(self.name)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module to call forward/backward on."""
+        return model
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        """The user's module (what a checkpoint stores): inside DDP, DataParallel and torch.compile wrappers."""
+        return unwrap_module(wrapped)
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        """What evaluation calls: the plain module, so uneven shards run no collective."""
+        return self.unwrap(wrapped)
+
+    @property
+    def collective_forward(self) -> bool:
+        """True when every forward is a collective (fsdp): all ranks must run the same number of them."""
+        return False
+
+    def sync_context(self, wrapped: nn.Module, sync: bool):
+        """Gradient sync on (last micro-step) or off (the others)."""
+        return contextlib.nullcontext()
+
+    def build_optimizer(
+        self, model: nn.Module, factory: Callable[[nn.Module], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        return factory(model)
+
+    def hook_state(self) -> dict | None:
+        """The gradient-communication hook's state to checkpoint (None: no hook)."""
+        return None
+
+    def load_hook_state(self, state: dict | None) -> None:
+        """Restore hook_state() (nothing to do without a hook)."""
+
+    def model_state(self, wrapped: nn.Module) -> dict:
+        return self.unwrap(wrapped).state_dict()
+
+    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The full optimizer state on rank 0 (None elsewhere when it has to be gathered). Collective."""
+        return optimizer.state_dict()
+
+    def load(
+        self,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_sd: dict,
+        optim_sd: dict | None,
+    ) -> None:
+        self.unwrap(wrapped).load_state_dict(model_sd)
+        if optimizer is not None and optim_sd is not None:
+            optimizer.load_state_dict(optim_sd)
+
+
+def ddp_options(dist_cfg: Any) -> dict:
+    """DistributedDataParallel's keyword arguments from dist.bucket_cap_mb, static_graph, grad_as_bucket_view."""
+    out: dict = {}
+    if dist_cfg.bucket_cap_mb is not None:
+        out["bucket_cap_mb"] = dist_cfg.bucket_cap_mb
+    if dist_cfg.static_graph:
+        out["static_graph"] = True
+    if dist_cfg.grad_as_bucket_view:
+        out["gradient_as_bucket_view"] = True
+    return out
+
+
+def build_strategy(
+    name: str, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
+) -> Strategy:
+    """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
+    `compression` registers its gradient hook (strategies whose entry says `compression`)."""
+    import torch.distributed as dist
+
+    entry = get_strategy(resolve_strategy(name, ctx.world_size))
+    if entry.needs_group and not dist.is_initialized():
+        return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
+    return entry.cls(ctx, ddp_options, compression if entry.compression else None)
+
+
+def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
+    """The Strategy that reads and writes this prepared model's and optimizer's full state (the first entry
+    that recognizes them; the plain one otherwise)."""
+    _load_builtin()
+    for entry in reversed(list(_REGISTRY.values())):  # the later, more specific entries first
+        if entry.recognizes is not None and entry.recognizes(model, optimizer):
+            return entry.cls(ctx)
+    return Strategy(ctx)
