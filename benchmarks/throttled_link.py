@@ -60,7 +60,7 @@ def worker(spec: dict[str, Any]) -> None:
     from ddpkit import models
     from ddpkit.config import load_config
     from ddpkit.distributed.collectives import all_gather_object, barrier, seed_model_init
-    from ddpkit.distributed.compression import Compression
+    from ddpkit.parallel.compression import Compression
     from ddpkit.parallel.strategy import build_strategy, ddp_options
 
     ctx = ddpkit.init_distributed(backend="gloo", device="cpu")
@@ -121,7 +121,7 @@ def sync_bytes(model, kind: str, rank: int) -> int:
     """Bytes one rank's gradients put into all-reduces per step (the `bytes` of the alpha-beta model)."""
     import types
 
-    from ddpkit.distributed.compression import _plan
+    from ddpkit.parallel.powersgd import _plan
 
     shapes = [p.shape for p in model.parameters()]
     if kind in ("fp16", "bf16"):

@@ -176,10 +176,13 @@ class DistConfig:
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "auto: cuda when a GPU is visible, unless backend=gloo"
     )
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = opt(
+    grad_compression: str = opt(
         "none",
-        "compress DDP's gradient all-reduce with torch's communication hooks: fp16 or bf16 halves the bytes, "
-        "powersgd sends a low-rank approximation (ddp and zero1 only; one process has nothing to send)",
+        "compress DDP's gradient all-reduce with torch's communication hooks: none, fp16 or bf16 (half the "
+        "bytes), powersgd (a low-rank approximation), or a method registered with "
+        "ddpkit.parallel.compression.register_compression or the ddpkit.compression entry point (ddp and "
+        "zero1 only; one process has nothing to send)",
+        nonblank=True,
     )
     powersgd_rank: int = opt(
         1, "PowerSGD's matrix approximation rank (more: closer to exact, more bytes)", gt=0
@@ -335,6 +338,9 @@ def load_config(
 
     if cfg.dist.strategy != "auto":
         get_strategy(cfg.dist.strategy)
+    from ddpkit.parallel.compression import get_compression
+
+    get_compression(cfg.dist.grad_compression)
     _check_ddp_knobs(cfg.dist)
     from ddpkit.data.registry import get_dataset  # the registry knows every data set, built-in or not
 

@@ -149,8 +149,10 @@ class ModelFamily:
 
 BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"cnn": SmallCNN, "mlp": build_mlp}
 
-# Adding a model family is one entry; they are asked in this order (the cheap ones first).
-MODEL_FAMILIES: tuple[ModelFamily, ...] = (
+ENTRY_POINT_GROUP = "ddpkit.models"
+
+# Adding a model family is one entry (register_model); they are asked in this order (the cheap ones first).
+MODEL_FAMILIES: list[ModelFamily] = [
     ModelFamily(
         "builtin",
         owns=lambda arch: arch in BUILTIN,
@@ -165,15 +167,44 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
         names=torchvision_names,
         torchvision_weights=True,
     ),
-)
+]
+
+
+def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Make the names `family` owns valid model.arch values; asked before the built-in families so a family of
+    your own can own any name. Refuses a second family of the same name unless replace=True."""
+    same = [f for f in MODEL_FAMILIES if f.name == family.name]
+    if same and not replace and same[0] is not family:
+        raise ValueError(f"model family '{family.name}' is already registered")
+    for f in same:
+        MODEL_FAMILIES.remove(f)
+    MODEL_FAMILIES.insert(0, family)
+    return family
+
+
+def _from_entry_points(arch: str) -> ModelFamily | None:
+    """The family an installed package declares for `arch` (entry point group ddpkit.models, named arch)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == arch:
+            obj = ep.load()
+            family = obj() if callable(obj) and not isinstance(obj, ModelFamily) else obj
+            if not isinstance(family, ModelFamily):
+                raise UserError(
+                    f"entry point '{ep.value}' for model '{arch}' gave {type(family).__name__}",
+                    "it must name a ddpkit.models.ModelFamily (or a function returning one)",
+                )
+            return register_model(family, replace=True)
+    return None
 
 
 def model_family(arch: str) -> ModelFamily:
     """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
-    for family in MODEL_FAMILIES:
-        if family.owns(arch):
-            family.check(arch)
-            return family
+    owner = next((f for f in MODEL_FAMILIES if f.owns(arch)), None) or _from_entry_points(arch)
+    if owner is not None:
+        owner.check(arch)
+        return owner
     names = [name for family in MODEL_FAMILIES for name in family.names()]
     close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
     hint = (

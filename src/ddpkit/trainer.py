@@ -30,11 +30,11 @@ from ddpkit.distributed.collectives import (
     gather_object,
     is_dist,
 )
-from ddpkit.distributed.compression import Compression
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
 from ddpkit.train_state import TrainState
@@ -248,7 +248,9 @@ class Trainer:
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.state.load_state_dict(ckpt)
-        self.strategy.load_hook_state(self._my_hook_state(ckpt.get("comm_hook")))
+        note = self.strategy.restore_hook_states(ckpt.get("comm_hook"))
+        if note:
+            self.log.info(f"ddpkit: {note}")
         return ckpt
 
     def _resumed(self, path: str, ckpt: dict[str, Any]) -> None:
@@ -266,22 +268,6 @@ class Trainer:
         if mine is None:
             return {}
         return {"comm_hook": gather_object(mine)}
-
-    def _my_hook_state(self, saved: list | None) -> dict | None:
-        """This rank's saved hook state; on another world size the shared part only (the error feedback of
-        ranks that no longer match starts again from zero)."""
-        if not saved:
-            return None
-        if len(saved) == self.ctx.world_size:
-            return saved[self.ctx.rank]
-        shared = dict(saved[0])
-        shared["params"] = {
-            n: {k: v for k, v in p.items() if k != "error"} for n, p in shared["params"].items()
-        }
-        self.log.info(
-            f"ddpkit: PowerSGD's error feedback was saved on {len(saved)} ranks, not {self.ctx.world_size}: it restarts from zero"
-        )
-        return shared
 
     # ---- small parts of the recipe ------------------------------------------------------------
     def _more_to_train(self) -> bool:

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from ddpkit.distributed.compression import Compression
     from ddpkit.distributed.runtime import DistContext
+    from ddpkit.parallel.compression import Compression
 
 ENTRY_POINT_GROUP = "ddpkit.strategies"
 SHARDABLE = ("optimizer", "gradients", "parameters")
@@ -189,6 +189,15 @@ class Strategy:
 
     def load_hook_state(self, state: dict | None) -> None:
         """Restore hook_state() (nothing to do without a hook)."""
+
+    def restore_hook_states(self, saved: list[dict] | None) -> str | None:
+        """This rank's part of the per-rank hook states a checkpoint holds (its compression method decides what
+        carries over to another world size); returns a line to log when some of it was dropped."""
+        if self.compression is None:
+            return None
+        state, note = self.compression.restore(saved, self.ctx.rank, self.ctx.world_size)
+        self.load_hook_state(state)
+        return note
 
     def model_state(self, wrapped: nn.Module) -> dict:
         return self.unwrap(wrapped).state_dict()

@@ -10,14 +10,14 @@ from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from ddpkit.distributed.compression import Compression
+    from ddpkit.parallel.compression import Compression
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, ctx, ddp_options=None, compression: Compression | None = None):
-        from ddpkit.distributed.compression import Compression
+        from ddpkit.parallel.compression import Compression
 
         super().__init__(ctx, ddp_options, compression or Compression())
         self._hook_state = None

@@ -1,0 +1,146 @@
+"""The gradient-compression registry (dist.grad_compression): one `CompressionMethod` per name, registered on
+DDP's all-reduce as torch's own communication hooks. A method owns its hook's checkpoint state: how it is
+saved, loaded, and carried to another world size, so the trainer knows nothing of any method's insides.
+
+Adding a method is one `CompressionMethod` passed to `register_compression`, from inside ddpkit or from a
+package of your own (an entry point in the `ddpkit.compression` group). Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ddpkit.errors import UserError
+
+ENTRY_POINT_GROUP = "ddpkit.compression"
+
+
+def _no_restore(saved: list[dict], rank: int, world_size: int) -> tuple[dict | None, str | None]:
+    return (saved[rank] if len(saved) == world_size else None), None
+
+
+@dataclass(frozen=True)
+class CompressionMethod:
+    """One dist.grad_compression value.
+
+    `register(ddp, options) -> holder`: registers the hook on a DistributedDataParallel module (options: the
+    `Compression` value: powersgd_rank, ...) and returns what holds its state (None when stateless);
+    `state_dict(holder)` / `load_state_dict(holder, saved, device)`: that state in a checkpoint (one per rank);
+    `restore(saved_per_rank, rank, world_size) -> (state or None, message or None)`: what this rank takes from
+    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped).
+    """
+
+    name: str
+    summary: str
+    register: Callable[[Any, Any], Any]
+    state_dict: Callable[[Any], dict | None] = lambda holder: None
+    load_state_dict: Callable[[Any, dict, Any], None] = lambda holder, saved, device: None
+    restore: Callable[[list[dict], int, int], tuple[dict | None, str | None]] = _no_restore
+
+
+def _fp16(ddp: Any, options: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def _bf16(ddp: Any, options: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+_REGISTRY: dict[str, CompressionMethod] = {}
+
+
+def register_compression(method: CompressionMethod, *, replace: bool = False) -> CompressionMethod:
+    """Make `method.name` a valid dist.grad_compression; refuses to shadow a name unless replace=True."""
+    if method.name in _REGISTRY and not replace and _REGISTRY[method.name] is not method:
+        raise ValueError(f"compression method '{method.name}' is already registered")
+    _REGISTRY[method.name] = method
+    return method
+
+
+register_compression(CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None))
+register_compression(CompressionMethod("fp16", "gradients sent as float16 (half the bytes)", register=_fp16))
+register_compression(CompressionMethod("bf16", "gradients sent as bfloat16 (half the bytes)", register=_bf16))
+
+
+def _load_builtin() -> None:
+    if "powersgd" not in _REGISTRY:
+        from ddpkit.parallel import powersgd
+
+        register_compression(powersgd.METHOD)
+
+
+def _from_entry_points(name: str) -> CompressionMethod | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            obj = ep.load()
+            method = obj() if callable(obj) and not isinstance(obj, CompressionMethod) else obj
+            if not isinstance(method, CompressionMethod):
+                raise UserError(
+                    f"entry point '{ep.value}' for compression method '{name}' gave {type(method).__name__}",
+                    "it must name a ddpkit.parallel.compression.CompressionMethod (or a function returning one)",
+                )
+            return register_compression(method, replace=True)
+    return None
+
+
+def compression_names() -> list[str]:
+    """The registered names; powersgd's module (it imports torch) is loaded only when it is used."""
+    return list(dict.fromkeys([*_REGISTRY, "powersgd"]))
+
+
+def get_compression(name: str) -> CompressionMethod:
+    """The method for dist.grad_compression `name`; a UserError naming the valid ones when there is none."""
+    if name == "powersgd":
+        _load_builtin()
+    method = _REGISTRY.get(name) or _from_entry_points(name)
+    if method is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, compression_names(), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(compression_names())
+        raise UserError(f"unknown dist.grad_compression '{name}'", hint)
+    return method
+
+
+@dataclass(frozen=True)
+class Compression:
+    """dist.grad_compression and its options, as one value the DDP strategy registers."""
+
+    kind: str = "none"
+    powersgd_rank: int = 1
+    powersgd_warmup_steps: int = 10
+
+    @classmethod
+    def from_config(cls, dist_cfg: Any) -> Compression:
+        return cls(dist_cfg.grad_compression, dist_cfg.powersgd_rank, dist_cfg.powersgd_warmup_steps)
+
+    @property
+    def method(self) -> CompressionMethod:
+        return get_compression(self.kind)
+
+    def register(self, ddp: Any) -> Any:
+        """Register the hook on a DistributedDataParallel module; returns what holds its state (or None)."""
+        return self.method.register(ddp, self)
+
+    def state_dict(self, holder: Any) -> dict | None:
+        """The hook's state (loadable with weights_only=True); None for a stateless method."""
+        return None if holder is None else self.method.state_dict(holder)
+
+    def load_state_dict(self, holder: Any, saved: dict | None, device: Any) -> None:
+        """Put a state_dict() back (a run without a hook ignores it)."""
+        if holder is not None and saved:
+            self.method.load_state_dict(holder, saved, device)
+
+    def restore(self, saved: list[dict] | None, rank: int, world_size: int) -> tuple[dict | None, str | None]:
+        """This rank's part of the per-rank states a checkpoint holds (see CompressionMethod.restore)."""
+        if not saved:
+            return None, None
+        return self.method.restore(saved, rank, world_size)
