@@ -207,3 +207,46 @@ def test_manual_tcp_and_file(tmp_path):
 def test_manual_bad_inputs(url, rank, world, fragment):
     with pytest.raises(UserError, match=fragment):
         manual_env(url, rank, world)
+
+
+def test_lsf_jsrun_is_a_table_entry():
+    env = {"JSM_NAMESPACE_RANK": "3", "JSM_NAMESPACE_SIZE": "4", "JSM_NAMESPACE_LOCAL_RANK": "1",
+           "JSM_NAMESPACE_LOCAL_SIZE": "2", "MASTER_ADDR": "h1", "LSB_JOBID": "77"}  # fmt: skip
+    e = detect_env(env)
+    assert (e.rank, e.world_size, e.local_rank, e.node_rank, e.num_nodes, e.launcher) == (
+        3,
+        4,
+        1,
+        1,
+        2,
+        "lsf",
+    )
+    assert e.master_addr == "h1"
+
+
+def test_pbs_pbsdsh_reads_the_node_file(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn1\nn2\nn2\n")
+    e = detect_env({"PBS_VNODENUM": "2", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "9.server"})
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.node_rank, e.num_nodes) == (
+        2,
+        4,
+        0,
+        2,
+        1,
+        2,
+    )
+    assert (e.master_addr, e.launcher) == ("n1", "pbs")
+
+
+def test_slurm_facts_are_one_place_for_the_launcher_and_the_detector():
+    from ddpkit.distributed.env import slurm_job_step, slurm_nodelist
+
+    env = {
+        "SLURM_NODELIST": "a[1-2]",
+        "SLURM_JOB_NODELIST": "b[1-2]",
+        "SLURM_JOB_ID": "5",
+        "SLURM_STEPID": "3",
+    }
+    assert (slurm_nodelist(env), slurm_job_step(env)) == ("a[1-2]", "5.3")
+    assert slurm_nodelist({"SLURM_STEP_NODELIST": "c1", **env}) == "c1"

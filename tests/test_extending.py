@@ -73,3 +73,135 @@ def test_the_docs_example_is_the_tested_package():
     exec(compile(code, "extending.md", "exec"), namespace)  # the doc's package builds the same splits
     splits = namespace["build"](None)
     assert (len(splits.train), len(splits.val), splits.num_classes) == (448, 64, 2)
+
+
+# ------------------------------------------------- a model, a strategy, a compression method and a launcher
+
+EXTENSIONS = """
+import torch
+import torch.nn as nn
+
+from ddpkit.distributed.env import DistEnv, LauncherDetector
+from ddpkit.models import ModelFamily
+from ddpkit.parallel.compression import CompressionMethod
+from ddpkit.parallel.strategies.ddp import DDPStrategy
+from ddpkit.parallel.strategy import StrategyEntry
+
+
+def build_tiny(arch, num_classes, in_channels, image_size):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, num_classes))
+
+
+MODEL = ModelFamily("tiny", owns=lambda arch: arch == "tiny", build=build_tiny, names=lambda: ["tiny"])
+
+
+class RenamedDDP(DDPStrategy):
+    name = "myddp"
+
+
+STRATEGY = StrategyEntry("myddp", RenamedDDP, "DDP under another name", ddp_knobs=True, compression=True)
+
+
+class Counter:
+    calls = 0
+
+
+def register_half(ddp, options):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    counter = Counter()
+
+    def hook(state, bucket):
+        counter.calls += 1
+        return default_hooks.fp16_compress_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    return counter
+
+
+COMPRESSION = CompressionMethod(
+    "half", "fp16, counted", register=register_half, state_dict=lambda counter: {"calls": counter.calls}
+)
+
+
+def read_myl(env):
+    rank, size = int(env["MYL_RANK"]), int(env["MYL_SIZE"])
+    return DistEnv(rank=rank, local_rank=rank, world_size=size, local_world_size=size,
+                   master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), launcher="myl")
+
+
+LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE")
+"""
+
+ENTRY_POINTS = """[ddpkit.models]
+tiny = myext:MODEL
+
+[ddpkit.strategies]
+myddp = myext:STRATEGY
+
+[ddpkit.compression]
+half = myext:COMPRESSION
+
+[ddpkit.launchers]
+myl = myext:LAUNCHER
+"""
+
+
+def install_extensions(site):
+    """myext, installed as pip would, declaring one entry of each extension point."""
+    (site / "myext").mkdir(parents=True)
+    (site / "myext" / "__init__.py").write_text(EXTENSIONS)
+    info = site / "myext-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myext\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+
+
+@pytest.mark.slow
+def test_a_model_strategy_and_compression_from_another_package_train_on_two_processes(tmp_path):
+    import torch
+
+    install_extensions(tmp_path / "site")
+    out = tmp_path / "run"
+    args = ["train", "model.arch=tiny", "dist.strategy=myddp", "dist.grad_compression=half", "train.epochs=1"]
+    proc = run_cli(*args, "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
+                   env={"PYTHONPATH": str(tmp_path / "site")})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy myddp" in (out / "log.txt").read_text()
+    ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert set(ckpt["model"]) == {"1.weight", "1.bias"}  # the package's model
+    assert [s["calls"] for s in ckpt["comm_hook"]] == [5, 5]  # its hook ran on every step, its state saved
+
+
+@pytest.mark.slow
+def test_a_launcher_from_another_package_is_detected(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+    from ddpkit.distributed.launch import free_port
+
+    install_extensions(tmp_path / "site")
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "info"],
+            env=cli_env(
+                {
+                    "PYTHONPATH": str(tmp_path / "site"),
+                    "MYL_RANK": str(r),
+                    "MYL_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = outs[0][0].splitlines()
+    assert len(lines) == 2 and all("launcher=myl" in ln and "world_size=2" in ln for ln in lines), lines

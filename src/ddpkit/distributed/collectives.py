@@ -21,9 +21,6 @@ import torch.distributed as dist
 
 from ddpkit.errors import UserError
 
-# What each launcher sets in every process of a job of several (never in a Slurm batch script's own shell).
-LAUNCHED_WORLD_VARS = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
 
 class _Ended:
     """Who this process was in the process group that ddpkit.shutdown() destroyed (None: no group ended)."""
@@ -33,7 +30,11 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-    for var in LAUNCHED_WORLD_VARS:
+    from ddpkit.distributed.env import (
+        world_variables,  # the launcher-detector table's (never a batch shell's)
+    )
+
+    for var in world_variables():
         raw = os.environ.get(var, "").strip()
         if raw.isdigit() and int(raw) > 1:
             return var, int(raw)

@@ -1,7 +1,8 @@
 """Which launcher started this process -> one immutable DistEnv value.
 
-Order of precedence: manual flags, torchrun/torch.distributed.launch (RANK/WORLD_SIZE), Slurm srun,
-Open MPI, MPICH/PMI, and finally a single process. Nothing here touches torch.distributed.
+Order of precedence: manual flags, then the launcher-detector table (torchrun/torch.distributed.launch, Slurm
+srun, Open MPI, MPICH/PMI, LSF jsrun, PBS pbsdsh, then any registered with `register_launcher` or the
+`ddpkit.launchers` entry point), and finally a single process. Nothing here touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 import shutil
 import subprocess
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ddpkit.errors import UserError
@@ -31,7 +32,9 @@ class DistEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    launcher: str = "none"  # none | torchrun | slurm | openmpi | pmi | manual | spawn
+    launcher: str = (
+        "none"  # none | manual | spawn | a detector's name (torchrun, slurm, openmpi, pmi, lsf, ...)
+    )
     init_method: str = "env://"
     local_rank_given: bool = True  # false: a by-hand rank whose local rank is learnt at the rendezvous
 
@@ -154,6 +157,18 @@ def slurm_port(job_id: str) -> int:
     return 15000 + n % 20000
 
 
+def slurm_nodelist(env: Mapping[str, str]) -> str | None:
+    """The nodes of this Slurm step: SLURM_STEP_NODELIST, else SLURM_NODELIST, else SLURM_JOB_NODELIST."""
+    return next(
+        (env[v] for v in ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST") if v in env), None
+    )
+
+
+def slurm_job_step(env: Mapping[str, str]) -> str:
+    """`JOB.STEP` of this Slurm step (SLURM_STEPID is the older spelling of SLURM_STEP_ID)."""
+    return env.get("SLURM_JOB_ID", "0") + "." + env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+
+
 def _tasks_per_node(spec: str, node_id: int) -> int | None:
     """SLURM_STEP_TASKS_PER_NODE like `2(x3),1` -> tasks on node `node_id`."""
     counts: list[int] = []
@@ -195,10 +210,8 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     rank, world = _int(env, "SLURM_PROCID"), _int(env, ntasks_var)
     local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     node_id = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
-    nodes_var = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_NODELIST"
-    if nodes_var not in env and "SLURM_JOB_NODELIST" in env:
-        nodes_var = "SLURM_JOB_NODELIST"
-    hosts = expand_nodelist(env[nodes_var]) if nodes_var in env else []
+    nodes = slurm_nodelist(env)
+    hosts = expand_nodelist(nodes) if nodes is not None else []
     local_world = None
     for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if var in env:
@@ -216,9 +229,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     if "MASTER_PORT" in env:
         port = _check_port(_int(env, "MASTER_PORT"), "MASTER_PORT")
     else:
-        port = slurm_port(
-            env.get("SLURM_JOB_ID", "0") + "." + env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
-        )
+        port = slurm_port(slurm_job_step(env))
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -378,22 +389,150 @@ def replace_launcher(env: DistEnv, launcher: str) -> DistEnv:
     return replace(env, launcher=launcher)
 
 
+@dataclass(frozen=True)
+class LauncherDetector:
+    """One launcher that starts a process per rank: how to tell it started this process, and who the process is.
+
+    `detects(env)`: true when its variables are there; `read(env) -> DistEnv`; `world_var`: the variable it sets
+    to the job's size in every process of a job of several (how a helper called without a process group knows
+    that it should have one). Asked in registry order: the first that detects wins.
+    """
+
+    name: str
+    detects: Callable[[Mapping[str, str]], bool]
+    read: Callable[[Mapping[str, str]], DistEnv]
+    world_var: str | None = None
+
+
+_DETECTORS: dict[str, LauncherDetector] = {}
+DETECTOR_ENTRY_POINT_GROUP = "ddpkit.launchers"
+
+
+def register_launcher(detector: LauncherDetector, *, replace: bool = False) -> LauncherDetector:
+    """Add a launcher to the detection table (after the built-in ones); refuses a second of the same name."""
+    if detector.name in _DETECTORS and not replace and _DETECTORS[detector.name] is not detector:
+        raise ValueError(f"launcher '{detector.name}' is already registered")
+    _DETECTORS[detector.name] = detector
+    return detector
+
+
+def _openmpi(env: Mapping[str, str]) -> DistEnv:
+    names = (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    )
+    return _mpi_env(env, names, "openmpi", "OMPI_MCA_ess_base_jobid")
+
+
+def _pmi(env: Mapping[str, str]) -> DistEnv:
+    return _mpi_env(
+        env, ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), "pmi", "PMI_KVS_NAME"
+    )
+
+
+def _lsf(env: Mapping[str, str]) -> DistEnv:
+    """IBM LSF's jsrun: JSM_NAMESPACE_* per task; several hosts need MASTER_ADDR (the first compute host)."""
+    names = (
+        "JSM_NAMESPACE_RANK",
+        "JSM_NAMESPACE_SIZE",
+        "JSM_NAMESPACE_LOCAL_RANK",
+        "JSM_NAMESPACE_LOCAL_SIZE",
+    )
+    return _mpi_env(env, names, "lsf", "LSB_JOBID")
+
+
+def _pbs_hosts(env: Mapping[str, str]) -> list[str]:
+    path = env["PBS_NODEFILE"]
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [ln.strip() for ln in f.read(1 << 20).splitlines() if ln.strip()]
+    except OSError as e:
+        raise UserError(
+            f"cannot read PBS_NODEFILE '{path}': {e.strerror}", "run under pbsdsh in a PBS job"
+        ) from None
+
+
+def _pbs(env: Mapping[str, str]) -> DistEnv:
+    """PBS/Torque's pbsdsh: one task per line of PBS_NODEFILE, PBS_VNODENUM its rank, node 0 the master."""
+    hosts = _pbs_hosts(env)
+    rank, world = _int(env, "PBS_VNODENUM"), max(len(hosts), 1)
+    host = hosts[rank] if rank < len(hosts) else ""
+    local_rank = sum(1 for h in hosts[:rank] if h == host)
+    local_world = sum(1 for h in hosts if h == host) or 1
+    _check_ranks(rank, world, local_rank, local_world, "PBS_VNODENUM/PBS_NODEFILE")
+    port = _port(env, slurm_port(env["PBS_JOBID"]) if "PBS_JOBID" in env else DEFAULT_PORT)
+    first = list(dict.fromkeys(hosts))
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=first.index(host) if host in first else 0,
+        num_nodes=max(len(first), 1),
+        master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
+        master_port=port,
+        launcher="pbs",
+    )
+
+
+# The built-in table, in order of precedence (torchrun's variables win over the cluster's that started it).
+for _detector in (
+    LauncherDetector("torchrun", lambda e: "RANK" in e or "WORLD_SIZE" in e, _from_torchrun, "WORLD_SIZE"),
+    LauncherDetector(
+        "slurm",
+        lambda e: "SLURM_PROCID" in e and ("SLURM_STEP_NUM_TASKS" in e or "SLURM_NTASKS" in e),
+        _from_slurm,
+        "SLURM_STEP_NUM_TASKS",
+    ),
+    LauncherDetector(
+        "openmpi",
+        lambda e: "OMPI_COMM_WORLD_RANK" in e or "OMPI_COMM_WORLD_SIZE" in e,
+        _openmpi,
+        "OMPI_COMM_WORLD_SIZE",
+    ),
+    LauncherDetector("pmi", lambda e: "PMI_RANK" in e or "PMI_SIZE" in e, _pmi, "PMI_SIZE"),
+    LauncherDetector(
+        "lsf", lambda e: "JSM_NAMESPACE_RANK" in e or "JSM_NAMESPACE_SIZE" in e, _lsf, "JSM_NAMESPACE_SIZE"
+    ),
+    LauncherDetector("pbs", lambda e: "PBS_VNODENUM" in e and "PBS_NODEFILE" in e, _pbs, None),
+):
+    register_launcher(_detector)
+
+
+def _entry_point_detectors() -> None:
+    """Launchers that installed packages declare (entry point group ddpkit.launchers), loaded once."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=DETECTOR_ENTRY_POINT_GROUP):
+        if ep.name in _DETECTORS:
+            continue
+        obj = ep.load()
+        detector = obj() if callable(obj) and not isinstance(obj, LauncherDetector) else obj
+        if not isinstance(detector, LauncherDetector):
+            raise UserError(
+                f"entry point '{ep.value}' for launcher '{ep.name}' gave {type(detector).__name__}",
+                "it must name a ddpkit.distributed.env.LauncherDetector (or a function returning one)",
+            )
+        register_launcher(detector)
+
+
+def launchers() -> list[LauncherDetector]:
+    """The detection table: built-in launchers first, then registered ones and those of entry points."""
+    _entry_point_detectors()
+    return list(_DETECTORS.values())
+
+
+def world_variables() -> tuple[str, ...]:
+    """The variables a launcher sets to the job's size in every process of a job of several."""
+    return tuple(d.world_var for d in launchers() if d.world_var)
+
+
 def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
-    """The DistEnv of this process from its environment variables."""
+    """The DistEnv of this process from its environment variables: the first launcher that detects itself."""
     env = os.environ if env is None else env
-    if "RANK" in env or "WORLD_SIZE" in env:
-        return _from_torchrun(env)
-    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
-        return _from_slurm(env)
-    if "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
-        names = (
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "OMPI_COMM_WORLD_LOCAL_SIZE",
-        )
-        return _mpi_env(env, names, "openmpi", "OMPI_MCA_ess_base_jobid")
-    if "PMI_RANK" in env or "PMI_SIZE" in env:
-        names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-        return _mpi_env(env, names, "pmi", "PMI_KVS_NAME")
+    for detector in launchers():
+        if detector.detects(env):
+            return detector.read(env)
     return DistEnv()

@@ -109,16 +109,14 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
     """Under srun with one task per node (`srun -N 2 --ntasks-per-node 1 ddpkit ... --nnodes 2`), each task is
     one node's agent: node 0 is the first host of the node list, this node's rank is SLURM_NODEID, the port is
     derived from the job id unless MASTER_PORT is set."""
-    from ddpkit.distributed.env import expand_nodelist, slurm_port
+    from ddpkit.distributed.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
 
-    nodes_var = next(
-        (v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if v in environ), None
-    )
+    nodes = slurm_nodelist(environ)
     if (
         spec.nnodes == 1
         or spec.master_addr
         or spec.rdzv_endpoint
-        or nodes_var is None
+        or nodes is None
         or "SLURM_PROCID" not in environ
     ):
         return spec
@@ -129,11 +127,14 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
             f"run it as `srun -N {spec.nnodes} --ntasks-per-node 1 ddpkit ...`, or drop the launch flags "
             "to have one Slurm task per rank",
         )
-    job = environ.get("SLURM_JOB_ID", "0") + "." + environ.get("SLURM_STEP_ID", "0")
-    port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else slurm_port(job)
+    port = (
+        int(environ["MASTER_PORT"])
+        if environ.get("MASTER_PORT", "").isdigit()
+        else slurm_port(slurm_job_step(environ))
+    )
     return replace(
         spec,
-        master_addr=expand_nodelist(environ[nodes_var])[0],
+        master_addr=expand_nodelist(nodes)[0],
         master_port=spec.master_port or port,
         node_rank=int(environ.get("SLURM_NODEID", "0")),
     )
