@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit import channels
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import resolve_strategy
 
@@ -365,7 +366,7 @@ def write_curves(out_dir: str | os.PathLike) -> Path:
     return write_bytes(run.path / "curves.png", png_bytes(fig))
 
 
-LAUNCHER_DRAWS_VAR = "DDPKIT_LAUNCHER_DRAWS_CURVES"  # "1": the launcher draws curves.png, not rank 0
+LAUNCHER_DRAWS_VAR = channels.LAUNCHER_DRAWS_CURVES  # "1": the launcher draws curves.png, not rank 0
 
 
 def launcher_draws() -> bool:

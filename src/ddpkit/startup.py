@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-START_VAR = "DDPKIT_START_TIME"  # "EPOCH_SECONDS PID": when the launcher with that pid started
+from ddpkit import channels
+
+START_VAR = channels.START_TIME  # "EPOCH_SECONDS PID": when the launcher with that pid started
 # The stages, in order, each with the mark that ends it.
 STAGES = (
     ("launcher", "process"),  # the launcher's imports, rendezvous and start of this worker process

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit import channels
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import first_line
 
-TAMPER_ENV = "DDPKIT_COMM_TAMPER"
+TAMPER_ENV = channels.COMM_TAMPER
 CHUNK = 5  # elements each rank contributes to a checked operation
 FULL = (1 << 62) - 1  # 62 one-bits: the bitwise reductions' universe
 # torch 2.14 renamed the flat-buffer collectives (the old names warn); older versions have only the old names

@@ -15,6 +15,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ddpkit import channels
 from ddpkit.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -190,7 +191,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         _require_all(env, ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"], "env://")
     port = _check_port(_int(env, "MASTER_PORT"), "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
     node_rank = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else rank // max(local_world, 1)
-    launcher = "spawn" if env.get("DDPKIT_LAUNCHER") == "spawn" else "torchrun"
+    launcher = "spawn" if env.get(channels.LAUNCHER) == "spawn" else "torchrun"
     return DistEnv(
         rank=rank,
         local_rank=local_rank,

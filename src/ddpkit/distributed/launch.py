@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddpkit import channels
 from ddpkit.distributed import signals, usermain, warm_start
 from ddpkit.distributed.netif import hosted_endpoint, use_interface
 from ddpkit.distributed.peers import name_lost_nodes, watch
@@ -314,17 +315,13 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
     return e
 
 
-_LAUNCHED = False
-
-
 def _launched() -> None:
-    global _LAUNCHED
-    _LAUNCHED = True
+    channels.FLAGS.launched = True
 
 
 def launched() -> bool:
     """Whether this process started workers (launch_elastic or launch_spawn ran in it)."""
-    return _LAUNCHED
+    return channels.FLAGS.launched
 
 
 def launch_elastic(
@@ -392,7 +389,7 @@ def launch_elastic(
         signals_to_handle=signals.AGENT_SIGNALS,
     )
     watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
-    quiet_agent_logs(debug=bool(os.environ.get("DDPKIT_DEBUG")))
+    quiet_agent_logs(debug=bool(os.environ.get(channels.DEBUG)))
     forwarder = signals.Forwarder()
     try:
         # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them. Each worker dies with this process (or
@@ -480,7 +477,7 @@ def launch_spawn(
         "WORLD_SIZE": str(nproc * spec.nnodes),
         "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": str(spec.node_rank),
-        "DDPKIT_LAUNCHER": "spawn",
+        channels.LAUNCHER: "spawn",
         signals.PARENT_VAR: str(os.getpid()),
     }
     forwarder = signals.Forwarder()

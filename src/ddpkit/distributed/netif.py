@@ -21,10 +21,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit import channels
 from ddpkit.errors import UserError
 
 USER_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-CHOSEN_VAR = "DDPKIT_IFACE_CHOSEN"  # "IFACE ADDR": what ddpkit chose, so workers can tell it from the user's
+CHOSEN_VAR = channels.IFACE_CHOSEN  # "IFACE ADDR": what ddpkit chose, so workers can tell it from the user's
 _SIOCGIFCONF, _SIOCGIFFLAGS = 0x8912, 0x8913
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
 _IFREQ_SIZE = 40  # struct ifreq on 64-bit Linux: 16-byte name + 24-byte union

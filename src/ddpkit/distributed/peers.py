@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from ddpkit import channels
 from ddpkit.errors import UserError, WorkerFailure
 
 RDZV_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -97,7 +98,7 @@ def watch(endpoint: str, nnodes: int) -> None:
         return
     logger = logging.getLogger(RDZV_LOGGER)
     if _LOST not in logger.handlers:
-        if not os.environ.get("DDPKIT_DEBUG"):  # keep its debug lines to ourselves
+        if not os.environ.get(channels.DEBUG):  # keep its debug lines to ourselves
             logger.propagate = False
             quiet = logging.StreamHandler()
             quiet.setLevel(logging.ERROR)

@@ -12,10 +12,11 @@ import socket
 import time
 from dataclasses import replace
 
+from ddpkit import channels
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import UserError, first_line
 
-PROBE_VAR = "DDPKIT_PROBE_S"
+PROBE_VAR = channels.PROBE_S
 DEFAULT_PROBE_S = 30.0
 # Set by every rank once all ranks have told their host: a rank that finds it in a file:// rendezvous file
 # before joining meets a file an earlier run left behind (a rank of this run can only come before it).

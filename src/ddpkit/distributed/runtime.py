@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddpkit import channels
 from ddpkit.distributed import rendezvous
 from ddpkit.distributed.collectives import group_ended
 from ddpkit.distributed.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
@@ -41,7 +42,7 @@ class DistContext:
         return iter((self.rank, self.local_rank, self.world_size, self.device, self.backend))
 
 
-OVERSUBSCRIBE_VAR = "DDPKIT_OVERSUBSCRIBE"
+OVERSUBSCRIBE_VAR = channels.OVERSUBSCRIBE
 
 
 def check_cpu_processes(nproc: int) -> None:

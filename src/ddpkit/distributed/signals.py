@@ -21,7 +21,9 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-PARENT_VAR = "DDPKIT_LAUNCHER_PID"  # set by the launcher for its workers; each worker takes it out
+from ddpkit import channels
+
+PARENT_VAR = channels.LAUNCHER_PID  # set by the launcher for its workers; each worker takes it out
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What torch's elastic agent still handles itself (its own shutdown: the signal passed on to the workers,
 # then the launcher ends); SIGTERM and SIGINT are the Forwarder's, so that the job ends with the workers' status.

@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ddpkit import channels
 from ddpkit.errors import UserError, WorkerFailure, first_line
 
 # How long the other workers get to finish after one failed, before they are killed.
@@ -41,7 +42,7 @@ def _worker(
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
-    os.environ.update(torch_variables(env), DDPKIT_LAUNCHER="spawn")
+    os.environ.update(torch_variables(env), **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     try:
         init_distributed(options["backend"], options["device"], options["timeout_s"])

@@ -23,18 +23,18 @@ from collections.abc import Callable, Iterable
 from multiprocessing import forkserver
 from typing import Any
 
+from ddpkit import channels
 from ddpkit.distributed import signals
 
-DISABLE_VAR = "DDPKIT_WARM_START"  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
+DISABLE_VAR = channels.WARM_START  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
 SERVER = "ddpkit.distributed.warm_server"
 _started = False
-_forked_worker = False  # this process is a worker forked by worker(): it ends with os._exit
 
 
 def ends_without_finalization() -> bool:
     """Whether this process ends with os._exit (a forked worker): no interpreter finalization, so nothing of
     gloo's can be caught in it (runtime._drain_at_exit need not wait)."""
-    return _forked_worker
+    return channels.FLAGS.forked_worker
 
 
 def available() -> bool:
@@ -103,8 +103,7 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
     from ddpkit.distributed import warm_server
 
-    global _forked_worker
-    _forked_worker = True
+    channels.FLAGS.forked_worker = True
     agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**environ, **agent})

@@ -1,0 +1,61 @@
+"""Every channel that carries a fact between ddpkit's own processes, declared in one place: the environment
+variables a launcher sets for its workers (or a user sets for ddpkit), and the process-wide flags. For each: who
+sets it, who reads it, and what it means. No other module spells a `DDPKIT_*` name or keeps such a flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Channel:
+    name: str
+    set_by: str
+    read_by: str
+    meaning: str
+
+
+LAUNCHER = "DDPKIT_LAUNCHER"
+LAUNCHER_PID = "DDPKIT_LAUNCHER_PID"
+START_TIME = "DDPKIT_START_TIME"
+LAUNCHER_DRAWS_CURVES = "DDPKIT_LAUNCHER_DRAWS_CURVES"
+IFACE_CHOSEN = "DDPKIT_IFACE_CHOSEN"
+WARM_START = "DDPKIT_WARM_START"
+OVERSUBSCRIBE = "DDPKIT_OVERSUBSCRIBE"
+PROBE_S = "DDPKIT_PROBE_S"
+DEBUG = "DDPKIT_DEBUG"
+COMM_TAMPER = "DDPKIT_COMM_TAMPER"
+
+CHANNELS: tuple[Channel, ...] = (
+    Channel(LAUNCHER, "launch.spawn, distributed.spawn (spawn workers)", "distributed.env",
+            "'spawn': this worker was started by torch.multiprocessing.spawn, not torch's elastic agent"),
+    Channel(LAUNCHER_PID, "distributed.launch (for its workers while they start)", "distributed.signals",
+            "the launcher's pid: a worker dies with it (PR_SET_PDEATHSIG); each worker takes it out"),
+    Channel(START_TIME, "distributed.launch", "startup",
+            "'EPOCH_SECONDS PID': when the launcher started, so a worker's start-up time counts from it"),
+    Channel(LAUNCHER_DRAWS_CURVES, "distributed.launch (one node)", "report, trainer",
+            "'1': the launcher draws curves.png after the workers end, rank 0 need not"),
+    Channel(IFACE_CHOSEN, "distributed.netif (the launcher)", "distributed.netif (workers)",
+            "'IFACE ADDR': the interface ddpkit chose, so workers can tell it from one the user set"),
+    Channel(WARM_START, "the user", "distributed.warm_start, distributed.warm_server",
+            "'0': workers start as fresh interpreters instead of forks of a warm server"),
+    Channel(OVERSUBSCRIBE, "the user (or --oversubscribe)", "distributed.runtime",
+            "'1': more CPU processes on a node than it has cores is meant, not a typo"),
+    Channel(PROBE_S, "the user", "distributed.rendezvous",
+            "seconds a rank waits for the master's port to accept a connection (default 30)"),
+    Channel(DEBUG, "the user", "distributed.launch, distributed.peers",
+            "set: torch's agent and store keep their own log lines"),
+    Channel(COMM_TAMPER, "tests of `ddpkit comm`", "distributed.collective_check",
+            "a rank whose collective results are tampered with, to prove the check catches it"),
+)  # fmt: skip
+
+
+class ProcessFlags:
+    """Facts about this process that modules set and read (one instance, FLAGS)."""
+
+    launched = False  # this process started workers (launch_elastic or launch_spawn ran in it)
+    forked_worker = False  # this process is a worker forked by the warm-start server: it ends with os._exit
+
+
+FLAGS = ProcessFlags()
