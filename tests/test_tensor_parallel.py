@@ -32,3 +32,153 @@ def test_layout_of_divides_the_world():
     assert layout_of(8, tp=2, pp=2) == Layout(dp=2, tp=2, pp=2)
     with pytest.raises(UserError, match="cannot be split into dist.tp=2 x dist.pp=2"):
         layout_of(6, tp=2, pp=2)
+
+
+# ------------------------------------------------------------------ the library parts, on real gloo processes
+
+VOCAB, BLOCK, GLOBAL_BATCH, STEPS, LR = 11, 16, 4, 6, 0.5
+
+
+def _batches():
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, BLOCK + 1), generator=g) for _ in range(STEPS)]
+
+
+def _gpt():
+    import torch
+
+    from ddpkit.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
+
+
+class TinyTransformer:
+    """A user's own small transformer (built lazily: torch is imported in the workers)."""
+
+    @staticmethod
+    def make():
+        import torch
+        import torch.nn as nn
+
+        class Mixer(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(self.norm(x))))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(VOCAB, 16)
+                self.layers = nn.Sequential(Mixer(16), Mixer(16))
+                self.out = nn.Linear(16, VOCAB)
+
+            def forward(self, x):
+                return self.out(self.layers(self.emb(x)))
+
+        torch.manual_seed(0)
+        return Net()
+
+    @staticmethod
+    def plan():
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {
+            f"layers.{i}.{n}": s()
+            for i in (0, 1)
+            for n, s in (("up", ColwiseParallel), ("down", RowwiseParallel))
+        }
+
+
+def _train(model, opt, batches):
+    from ddpkit.gpt import lm_loss
+
+    for d in batches:
+        lm_loss(model(d[:, :-1]), d[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model) -> dict:
+    from ddpkit.parallel.tensor import full_model_state
+
+    return {k: v.numpy().copy() for k, v in full_model_state(model).items()}  # plain arrays through the queue
+
+
+def _single(make) -> dict:
+    import torch
+
+    model = make()
+    _train(model, torch.optim.SGD(model.parameters(), lr=LR), _batches())
+    return model.state_dict()
+
+
+def _prepared_run(rank, world_size, make, options):
+    """prepare(model, optimizer, **options) on each rank, then STEPS steps of its dp shard; the full weights."""
+    import torch
+
+    import ddpkit
+    from ddpkit.parallel.activation import checkpoint_blocks
+    from ddpkit.parallel.mesh import layout_of
+
+    options = dict(options)
+    checkpointed = options.pop("checkpointing", False)
+    model = make()
+    if checkpointed:
+        checkpoint_blocks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = ddpkit.prepare(model, opt, **options)
+    layout = layout_of(world_size, options.get("tp", 1))
+    j, share = layout.coords(rank)["dp"], GLOBAL_BATCH // layout.dp
+    _train(model, opt, [d[j * share : (j + 1) * share] for d in _batches()])
+    return _full(model)
+
+
+def _assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
+    import torch
+
+    got = {k: torch.as_tensor(v) for k, v in got.items()}
+    assert set(got) == set(want)
+    for k in want:
+        # relative to the tensor's scale (a key bias has no gradient and stays near zero)
+        scale = max(want[k].abs().max().item(), 1e-2)
+        assert (got[k] - want[k]).abs().max().item() <= tol * scale, k
+    num = sum((got[k] - want[k]).norm() ** 2 for k in want) ** 0.5
+    den = sum(want[k].norm() ** 2 for k in want) ** 0.5
+    assert float(num / den) <= tol
+    assert torch.isfinite(torch.tensor(float(num)))
+
+
+def _layouts_on_two(rank, world_size):
+    from ddpkit.parallel.tensor import gpt_plan
+
+    return {
+        "tp2": _prepared_run(rank, world_size, _gpt, {"tp": 2}),
+        "tp2_no_sp": _prepared_run(
+            rank, world_size, _gpt, {"tp": 2, "tp_plan": gpt_plan(_gpt(), sequence_parallel=False)}
+        ),
+        "user_tp2": _prepared_run(
+            rank, world_size, TinyTransformer.make, {"tp": 2, "tp_plan": TinyTransformer.plan()}
+        ),
+        "zero2_ckpt": _prepared_run(rank, world_size, _gpt, {"strategy": "zero2", "checkpointing": True}),
+    }
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {"gpt": _single(_gpt), "user": _single(TinyTransformer.make)}
+
+
+def test_prepare_layouts_on_two_ranks_equal_one_process(references):
+    from conftest import run_group
+
+    out = run_group(_layouts_on_two, 2, timeout=240)[0]  # the full state is gathered on rank 0
+    _assert_close(out["tp2"], references["gpt"])
+    _assert_close(out["tp2_no_sp"], references["gpt"])
+    _assert_close(out["zero2_ckpt"], references["gpt"])
+    _assert_close(out["user_tp2"], references["user"])

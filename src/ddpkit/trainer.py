@@ -20,7 +20,15 @@ import torch.nn as nn
 
 from ddpkit import config as config_mod
 from ddpkit import data, optim, startup
-from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model, to_device
+from ddpkit.builders import (
+    load_weights,
+    make_autocast,
+    make_datasets,
+    make_layout,
+    make_model,
+    split_model,
+    to_device,
+)
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
@@ -60,31 +68,43 @@ class Trainer:
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
         self.build()
-        self.state = TrainState(self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device)
+        self.state = TrainState(
+            self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device, stream_rank=self.coords["dp"]
+        )
         ck = cfg.checkpoint
         self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
-        """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
+        """Layout, data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its
+        builder."""
         cfg, ctx = self.cfg, self.ctx
+        self.layout, self.mesh = make_layout(cfg, ctx)  # dp x tp x pp, and its device mesh when split
+        self.coords = self.layout.coords(ctx.rank)
+        self.counts = self.layout.counts(ctx.rank)  # this rank's sums are its dp replica's
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
-        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        self.model = split_model(cfg, make_model(cfg, ctx, self.spec, report=self.log.info), self.mesh)
         self.strategy = build_strategy(
-            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+            cfg.dist.strategy,
+            ctx,
+            ddp_options(cfg.dist),
+            Compression.from_config(cfg.dist),
+            mesh=self.mesh,
+            offload=cfg.dist.offload,
         )
         self.wrapped = self.strategy.wrap(self.model)
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
+        # ranks of one tensor / pipeline group read the same samples: shards by the dp coordinate and degree
         self.train_loader, self.val_loader = data.build_loaders(
-            cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
+            cfg, self.coords["dp"], self.layout.dp, self.train_set, self.val_set
         )
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
-        self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
+        self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.layout.dp, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
         self.total_steps = optim.total_steps(cfg.train.epochs, self.steps_per_epoch, cfg.train.max_steps)
         self.optimizer = self.strategy.build_optimizer(
@@ -173,7 +193,8 @@ class Trainer:
                     logits = self.wrapped(x)
                 loss = self.criterion(logits.float(), y)
                 self.scaler.scale(loss / accum).backward()
-            self.state.sums.add(loss, logits, y)
+            if self.counts:  # tensor-parallel peers computed the same numbers
+                self.state.sums.add(loss, logits, y)
             self.nonfinite.see(loss)
         if self.nonfinite.skip_step(self.state.step + 1):
             self.optimizer.zero_grad(set_to_none=True)
@@ -196,8 +217,9 @@ class Trainer:
             self.device,
             self.criterion,
             self.autocast,
-            self.strategy.collective_forward,
+            self.strategy.collective_forward or self.layout.tp > 1,
             self.cfg.model.channels_last,
+            counts=self.counts,
         )
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -281,10 +303,16 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         return (
             f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
+            f"strategy {self.strategy.name}{self._layout_words()}, global batch {self.global_batch} "
+            f"({cfg.train.batch_size} x {self.layout.dp} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
+
+    def _layout_words(self) -> str:
+        """` over dp=2 x tp=2 x pp=1` when the model is split, nothing otherwise."""
+        if not self.layout.parallel:
+            return ""
+        return f" over dp={self.layout.dp} x tp={self.layout.tp} x pp={self.layout.pp}"
 
     def _metrics_row(self, epoch: int, train: tuple[float, float, int], val: dict, elapsed: float) -> dict:
         loss, acc1, samples = train
@@ -361,8 +389,12 @@ def evaluate(
     autocast=contextlib.nullcontext,
     collective_forward: bool = False,
     channels_last: bool = False,
+    counts: bool = True,
 ) -> dict[str, Any]:
-    """Loss, top-1 and top-5 over an exact (duplicate-free) sharded loader, summed over all ranks."""
+    """Loss, top-1 and top-5 over an exact (duplicate-free) sharded loader, summed over all ranks.
+
+    `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
+    peers): they run every forward but add nothing."""
     criterion = criterion or nn.CrossEntropyLoss()
     was_training = model.training
     model.eval()
@@ -393,7 +425,7 @@ def evaluate(
                 torch.tensor(float(y.shape[0]), device=device, dtype=torch.float64),
             ]
         )
-    loss_sum, top1, top5, n = all_reduce_sum(sums).tolist()
+    loss_sum, top1, top5, n = all_reduce_sum(sums if counts else torch.zeros_like(sums)).tolist()
     model.train(was_training)
     return {
         "val_loss": loss_sum / n if n else None,

@@ -1,4 +1,9 @@
-"""fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks."""
+"""fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
+
+Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
+further); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
+(CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,25 @@ if TYPE_CHECKING:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    reshard_after_forward = True  # ZeRO-3: parameters gathered for each forward and backward, freed between
 
     def shard_options(self) -> dict:
         """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
-        return {}
+        options: dict = {"reshard_after_forward": self.reshard_after_forward}
+        if self.dp_mesh is not None:
+            options["mesh"] = self.dp_mesh
+        if self.offload == "cpu":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+        return options
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
-        for child in model.children():  # one shard group per top-level block, then the root
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, **options)
+        for child in _shard_units(model):
+            fully_shard(child, **options)
         fully_shard(model, **options)
         return model
 
@@ -42,33 +54,21 @@ class FSDPStrategy(Strategy):
         wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """One shard group per top-level child with trainable parameters; a ModuleDict or ModuleList of blocks
+    (the GPT's) gives one per block."""
+    import torch.nn as nn
 
-    def model_state(self, wrapped):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(wrapped, options=self._options())
-
-    def optimizer_state(self, wrapped, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        sd = get_optimizer_state_dict(wrapped, optimizer, options=self._options())
-        return sd if self.ctx.rank == 0 else None
-
-    def load(self, wrapped, optimizer, model_sd, optim_sd):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(wrapped, model_sd, options=opts)
-        if optimizer is not None and optim_sd is not None:
-            set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
+    units = []
+    for child in model.children():
+        if not any(p.requires_grad for p in child.parameters()):
+            continue
+        if isinstance(child, nn.ModuleDict | nn.ModuleList):
+            units += [m for m in child.children() if any(p.requires_grad for p in m.parameters())]
+        else:
+            units.append(child)
+    return units
 
 
 def _recognizes(model, optimizer) -> bool:
@@ -86,6 +86,8 @@ ENTRY = register_strategy(
         "FSDP2, ZeRO-3: parameters, gradients and optimizer state sharded",
         shards=("optimizer", "gradients", "parameters"),
         remakes_optimizer=True,
+        over_dtensors=True,
+        offloads=True,
         recognizes=_recognizes,
     )
 )

@@ -16,7 +16,9 @@ class Zero1Strategy(DDPStrategy):
         defaults = {
             k: v for k, v in template.defaults.items() if k not in ("differentiable", "foreach", "fused")
         }
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **defaults)
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=type(template), process_group=self.dp_group, **defaults
+        )
 
     def optimizer_state(self, wrapped, optimizer):
         optimizer.consolidate_state_dict(to=0)

@@ -1,0 +1,136 @@
+"""Tensor parallelism (Megatron-LM style) with torch.distributed.tensor.parallel, and the full state of a model
+whose parameters are DTensors.
+
+The plan for the built-in GPT (ddpkit.gpt.GPT): in every block wq, wk, wv and mlp.fc are column-parallel (each
+rank computes n_head / tp heads, a quarter of the MLP's width on 4 ranks), attn.wo and mlp.proj row-parallel
+(their partial sums reduced); with sequence parallelism the LayerNorms and the residual stream between the
+blocks hold 1/tp of the sequence each (all-gather in, reduce-scatter out, instead of all-reduces), the embeddings
+and the output head stay replicated. The attention counts its heads from the tensor it gets, so the module is
+unchanged. A user's model takes torch's own plan: `ddpkit.prepare(model, tp=2, tp_plan={...})`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ddpkit.errors import UserError
+
+
+def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
+    """The parallelize_module plan of a ddpkit.gpt.GPT (a pipeline stage's blocks and parts too)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the matmuls
+    plan: dict[str, Any] = {}
+    for i in model.blocks:
+        b = f"blocks.{i}."
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc"):
+            plan[b + name] = ColwiseParallel(input_layouts=between)
+        for name in ("attn.wo", "mlp.proj"):
+            plan[b + name] = RowwiseParallel(output_layouts=between)
+        if sequence_parallel:
+            plan[b + "ln1"] = plan[b + "ln2"] = SequenceParallel()
+    if sequence_parallel:
+        if (
+            getattr(model, "tok_emb", None) is not None
+        ):  # the replicated embedding's output: split the sequence
+            plan["drop"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+        if getattr(model, "ln_f", None) is not None:
+            plan["ln_f"] = SequenceParallel()
+        if getattr(model, "head", None) is not None:  # the replicated head sees the whole sequence
+            plan["head"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    return plan
+
+
+def check_gpt_split(model: nn.Module, tp: int) -> None:
+    """Heads and width divisible by tp (a UserError otherwise)."""
+    for what, value in (("n_head", model.n_head), ("n_embd", model.n_embd)):
+        if value % tp:
+            raise UserError(
+                f"model.{what}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
+                f"use a model.{what} that is a multiple of {tp}, or another dist.tp",
+            )
+
+
+def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
+    """The built-in plan of `model` (ddpkit.gpt.GPT); a UserError for a model without one."""
+    from ddpkit.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise UserError(
+            f"dist.tp={tp}: there is no tensor-parallel plan for a {type(model).__name__}",
+            "use model.arch=gpt, or pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...})",
+        )
+    check_gpt_split(model, tp)
+    return gpt_plan(model)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None = None) -> nn.Module:
+    """Split `model` over the 1-D `tp_mesh` by `plan` (default: the built-in plan of its family), in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = plan_for(model, tp_mesh.size()) if plan is None else plan
+    try:
+        return parallelize_module(model, tp_mesh, plan)
+    except (ValueError, KeyError, AttributeError, RuntimeError) as e:
+        from ddpkit.errors import first_line
+
+        raise UserError(
+            f"the tensor-parallel plan does not fit the model: {first_line(e)}",
+            "name submodules of the model (model.named_modules()) with torch.distributed.tensor.parallel styles",
+        ) from None
+
+
+# ------------------------------------------------------------------------------ the state of DTensor models
+
+
+def has_dtensors(module: nn.Module) -> bool:
+    """True when some parameter is a DTensor (tensor parallel, FSDP2): its state must be gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state(module: nn.Module) -> dict:
+    """Full-model names and whole tensors on CPU, whatever is sharded (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options(cpu_offload=True))
+
+
+def full_optimizer_state(module: nn.Module, optimizer, rank: int) -> dict | None:
+    """The whole optimizer state keyed by full-model names on rank 0, None elsewhere (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
+    return sd if rank == 0 else None
+
+
+def load_full_state(module: nn.Module, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
+    """Whole tensors (what full_model_state / full_optimizer_state gave) into a sharded model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, model_sd, options=_options())
+    if optimizer is not None and optim_sd is not None:
+        set_optimizer_state_dict(module, optimizer, optim_sd, options=_options())
+
+
+__all__ = ["apply_tensor_parallel", "full_model_state", "gpt_plan", "has_dtensors", "plan_for"]
