@@ -27,6 +27,59 @@ def test_layout_coordinates_put_tensor_peers_next_to_each_other():
     assert layout.describe(3) == "dp=1 tp=1 pp=0"
 
 
+GPT = ["model.arch=gpt", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "data.block_size=16"]
+TWO = ["--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["dist.tp=2", *GPT, "--nproc-per-node", "3"],
+            "3 process(es) cannot be split into dist.tp=2 x dist.pp=1",
+        ),
+        ([*GPT, "model.n_head=2", "model.n_embd=30", "dist.tp=4", "--nproc-per-node", "4"], "model.n_head=2"),
+        ([*GPT, "data.block_size=15", "dist.tp=2", *TWO], "data.block_size=15 cannot be split"),
+        (["dist.tp=2", *TWO], "model.arch=cnn has none"),
+        ([*GPT, "dist.tp=2", "dist.strategy=ddp", *TWO], "dist.strategy=ddp cannot run over tensor-parallel"),
+        (
+            [*GPT, "dist.tp=2", "dist.strategy=zero1", *TWO],
+            "dist.strategy=zero1 cannot run over tensor-parallel",
+        ),
+        (["dist.offload=cpu", "dist.strategy=ddp", *TWO], "dist.offload=cpu needs a strategy that shards"),
+        (["dist.offload=cpu"], "dist.offload=cpu needs several data-parallel processes"),
+        (["model.activation_checkpointing=full"], "model.arch=cnn has none"),
+    ],
+)
+def test_layouts_that_cannot_work_are_one_line_before_any_worker_starts(tmp_path, capsys, args, fragment):
+    from ddpkit import cli
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", *args, f"out_dir={out}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("ddpkit: error: "), err
+    assert fragment in err
+    assert not out.exists()
+
+
+def test_a_layout_error_is_one_line_from_the_command_line(tmp_path):
+    from conftest import assert_user_error, run_cli
+
+    proc = run_cli("train", *GPT, "model.n_head=6", "model.n_embd=48", "dist.tp=4", "--nproc-per-node", "4")
+    assert_user_error(proc, "model.n_head=6 cannot be split over dist.tp=4 ranks")
+
+
+def test_prepare_refuses_a_layout_it_cannot_make():
+    import ddpkit
+
+    model = _gpt()
+    with pytest.raises(UserError, match=r"prepare\(tp=2\): 1 process\(es\) cannot be split"):
+        ddpkit.prepare(model, tp=2)
+    with pytest.raises(UserError, match="got a tp_plan but tp=1"):
+        ddpkit.prepare(model, tp_plan={})
+
+
 def test_layout_of_divides_the_world():
     assert layout_of(4, tp=2) == Layout(dp=2, tp=2, pp=1)
     assert layout_of(8, tp=2, pp=2) == Layout(dp=2, tp=2, pp=2)

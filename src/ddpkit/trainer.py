@@ -201,12 +201,20 @@ class Trainer:
         else:
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
+                self._clip_grad_norm(self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.state.step += 1
+
+    def _clip_grad_norm(self, max_norm: float) -> None:
+        if self.layout.tp > 1:  # gradients on several meshes: torch's clip cannot mix them
+            from ddpkit.parallel.tensor import clip_grad_norm_
+
+            clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
