@@ -18,11 +18,15 @@ if TYPE_CHECKING:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    reshard_after_forward = True  # ZeRO-3: parameters gathered for each forward and backward, freed between
+    reshard_after_forward: bool | None = (
+        None  # torch's default, ZeRO-3: gathered for forward and again for backward
+    )
 
     def shard_options(self) -> dict:
         """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
-        options: dict = {"reshard_after_forward": self.reshard_after_forward}
+        options: dict = {}
+        if self.reshard_after_forward is not None:
+            options["reshard_after_forward"] = self.reshard_after_forward
         if self.dp_mesh is not None:
             options["mesh"] = self.dp_mesh
         if self.offload == "cpu":
