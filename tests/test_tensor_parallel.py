@@ -235,3 +235,66 @@ def test_prepare_layouts_on_two_ranks_equal_one_process(references):
     _assert_close(out["tp2_no_sp"], references["gpt"])
     _assert_close(out["zero2_ckpt"], references["gpt"])
     _assert_close(out["user_tp2"], references["user"])
+
+
+# ----------------------------------------------------------- `ddpkit train` on the built-in transformer, per layout
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # {chr(65 + i % 26)}\n" for i in range(80))
+GLOBAL = 8  # samples per optimizer step in every layout: train.batch_size x dp
+RUN = [
+    *GPT,
+    "data.dataset=text",
+    "model.dropout=0",
+    "optim.name=sgd",
+    "train.max_steps=6",
+    "report.curves=false",
+]
+# (name, extra settings, processes, data-parallel degree); the docs' commands are these with the tiny model
+LAYOUTS = [
+    ("ddp", ["dist.strategy=ddp"], 2, 2),
+    ("zero1", ["dist.strategy=zero1"], 2, 2),
+    ("zero2", ["dist.strategy=zero2"], 2, 2),
+    ("fsdp_offload", ["dist.strategy=fsdp", "dist.offload=cpu"], 2, 2),
+    ("tp2", ["dist.tp=2"], 2, 1),
+    ("dp2xtp2", ["dist.tp=2"], 4, 2),
+    ("checkpointing", ["model.activation_checkpointing=full"], 1, 1),
+]
+
+
+def _ddpkit_train(root, out, extra: list[str], nproc: int, dp: int):
+    """`ddpkit train` of RUN + extra on `nproc` processes: (full weights of last.pt, metrics rows)."""
+    import json
+
+    from conftest import run_cli
+    from ddpkit.checkpoint import load_checkpoint
+
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    args = [*RUN, f"data.root={root}", f"train.batch_size={GLOBAL // dp}", f"out_dir={out}", *extra, *launch]
+    proc = run_cli("train", *args, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    state = load_checkpoint(out / "checkpoints" / "last.pt", map_location="cpu")
+    return state["model"], rows
+
+
+@pytest.fixture(scope="module")
+def text_root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_run(text_root, tmp_path_factory):
+    """The one-process run every layout is compared with (shared by the module)."""
+    return _ddpkit_train(text_root, tmp_path_factory.mktemp("single") / "run", [], 1, 1)
+
+
+@pytest.mark.parametrize("name, extra, nproc, dp", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_ddpkit_train_layout_equals_one_process(single_run, text_root, tmp_path, name, extra, nproc, dp):
+    weights, rows = _ddpkit_train(text_root, tmp_path / "run", extra, nproc, dp)
+    want_weights, want_rows = single_run
+    _assert_close(weights, want_weights)
+    assert rows[-1]["step"] == 6 and rows[-1]["global_batch_size"] == GLOBAL
+    for key in ("train_loss", "val_loss"):  # every sample counted once, whatever the layout
+        assert rows[-1][key] == pytest.approx(want_rows[-1][key], rel=1e-4), key
