@@ -33,6 +33,7 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
@@ -55,6 +56,9 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.memory = (
+            MemoryProbe()
+        )  # this rank's parameter, gradient and optimizer-state bytes, measured then
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
@@ -182,10 +186,12 @@ class Trainer:
         if self.nonfinite.skip_step(self.state.step + 1):
             self.optimizer.zero_grad(set_to_none=True)
         else:
+            self.memory.before_step(self.model)
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
@@ -305,15 +311,15 @@ class Trainer:
             **val,
             "epoch_time_s": round(elapsed, 4),
             "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
-            **self._startup_once(),
+            **self._first_line_only(),
         }
 
-    def _startup_once(self) -> dict[str, float]:
-        """The start-up fields for this process's first metrics line, nothing for the others."""
-        if not self.startup:
-            return {}
-        fields, self.startup = self.startup, {}
-        return fields
+    def _first_line_only(self) -> dict[str, float]:
+        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        fields = self.startup or {}
+        if fields:
+            self.startup = {}
+        return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
         text = self.task.epoch_text(row)
