@@ -114,6 +114,12 @@ def _zero_names(module: nn.Module, optimizer: Any) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group[PARAMS]]
 
 
+def named_groups(module: nn.Module, optimizer: Any) -> list[dict]:
+    """The optimizer's param_groups with parameter names in place of the parameters."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [{**g, PARAMS: [names[id(p)] for p in g[PARAMS]]} for g in optimizer.param_groups]
+
+
 def _named_from_ids(sd: dict, names: list[str]) -> dict:
     groups = [{**g, PARAMS: [names[i] for i in g[PARAMS]]} for g in sd[GROUPS]]
     return {STATE: {names[i]: v for i, v in sd[STATE].items()}, GROUPS: groups}

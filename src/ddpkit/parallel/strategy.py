@@ -225,6 +225,18 @@ class Strategy:
 
         state_dict.load_state(self.unwrap(wrapped), optimizer, model_sd, optim_sd)
 
+    def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+        """(this rank's tensors for a sharded checkpoint, the non-tensor optimizer entries). Collective."""
+        from ddpkit import sharded
+
+        return sharded.state_tensors(self.unwrap(wrapped), optimizer)
+
+    def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
+        """A sharded checkpoint folder, written under any layout and world size, into this one. Collective."""
+        from ddpkit import sharded
+
+        sharded.load(path, self.unwrap(wrapped), optimizer, side)
+
 
 def ddp_options(dist_cfg: Any) -> dict:
     """DistributedDataParallel's keyword arguments from dist.bucket_cap_mb, static_graph, grad_as_bucket_view."""
