@@ -153,7 +153,12 @@ def is_name_keyed(optim_sd: dict) -> bool:
 
 def own_part(module: nn.Module, model_sd: dict, optim_sd: dict | None, partial: bool):
     """The entries of a full state that this module holds (a pipeline stage holds some of the names)."""
-    if not partial:
+    if (
+        not partial
+    ):  # copies of the structure: torch's loaders put shards in place of the tensors they are given
+        model_sd = dict(model_sd)
+        if optim_sd is not None and is_name_keyed(optim_sd):
+            optim_sd = {STATE: {k: dict(v) for k, v in optim_sd[STATE].items()}, GROUPS: optim_sd[GROUPS]}
         return model_sd, optim_sd
     names = set(module.state_dict().keys())
     model_sd = {k: v for k, v in model_sd.items() if k in names}
