@@ -56,11 +56,11 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
-        self.memory = (
-            MemoryProbe()
-        )  # this rank's parameter, gradient and optimizer-state bytes, measured then
+        self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
-        self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
+        self.ckpt = CheckpointDir(
+            cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
+        )
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
@@ -215,11 +215,10 @@ class Trainer:
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
         epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
-        highest val_acc1; for a language model the lowest val_loss)."""
+        highest val_acc1; for a language model the lowest val_loss).
+        checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
         best = row is not None and self.task.improves(row, self.state)
-        full = {
-            "model": self.strategy.model_state(self.wrapped),
-            "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+        rest = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             **self.state.state_dict(),
@@ -227,11 +226,21 @@ class Trainer:
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
         }
-        if self.ctx.is_main:
-            if full["consumed"]:
-                self.ckpt.save_step(full, best)
-            else:
-                self.ckpt.save_epoch(full, self.state.epoch, best)
+        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
+            tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best)
+        else:
+            model = self.strategy.model_state(self.wrapped)
+            full = {
+                "model": model,
+                "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+                **rest,
+            }
+            if self.ctx.is_main:
+                if full["consumed"]:
+                    self.ckpt.save_step(full, best)
+                else:
+                    self.ckpt.save_epoch(full, self.state.epoch, best)
         self.stop.checkpointed()
         barrier()  # nobody reads a checkpoint before it is complete
 
