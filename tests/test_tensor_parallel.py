@@ -158,9 +158,9 @@ def _train(model, opt, batches):
 
 
 def _full(model) -> dict:
-    from ddpkit.parallel.tensor import full_model_state
+    from ddpkit.parallel.state_dict import model_state
 
-    return {k: v.numpy().copy() for k, v in full_model_state(model).items()}  # plain arrays through the queue
+    return {k: v.numpy().copy() for k, v in model_state(model).items()}  # plain arrays through the queue
 
 
 def _single(make) -> dict:

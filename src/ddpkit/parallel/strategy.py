@@ -223,20 +223,18 @@ class Strategy:
         return note
 
     def model_state(self, wrapped: nn.Module) -> dict:
-        """The whole model under full-model names (collective when the parameters are DTensors)."""
-        from ddpkit.parallel import tensor
+        """The full model state under the user's module names, whatever the layout (parallel/state_dict.py): on
+        rank 0, and on every rank when nothing had to be gathered (elsewhere empty). Collective."""
+        from ddpkit.parallel import state_dict
 
-        module = self.unwrap(wrapped)
-        return tensor.full_model_state(module) if tensor.has_dtensors(module) else module.state_dict()
+        return state_dict.model_state(self.unwrap(wrapped))
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        """The full optimizer state on rank 0 (None elsewhere when it has to be gathered). Collective."""
-        from ddpkit.parallel import tensor
+        """The full optimizer state keyed by parameter name on rank 0 (None elsewhere when it had to be
+        gathered). Collective."""
+        from ddpkit.parallel import state_dict
 
-        module = self.unwrap(wrapped)
-        if tensor.has_dtensors(module):
-            return tensor.full_optimizer_state(module, optimizer, self.ctx.rank)
-        return optimizer.state_dict()
+        return state_dict.optimizer_state(self.unwrap(wrapped), optimizer)
 
     def load(
         self,
@@ -245,15 +243,22 @@ class Strategy:
         model_sd: dict,
         optim_sd: dict | None,
     ) -> None:
-        from ddpkit.parallel import tensor
+        """A full state written under any layout into this one. Collective."""
+        from ddpkit.parallel import state_dict
 
-        module = self.unwrap(wrapped)
-        if tensor.has_dtensors(module):
-            tensor.load_full_state(module, optimizer, model_sd, optim_sd)
-            return
-        module.load_state_dict(model_sd)
-        if optimizer is not None and optim_sd is not None:
-            optimizer.load_state_dict(optim_sd)
+        state_dict.load_state(self.unwrap(wrapped), optimizer, model_sd, optim_sd)
+
+    def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+        """(this rank's tensors for a sharded checkpoint, the non-tensor optimizer entries). Collective."""
+        from ddpkit import sharded
+
+        return sharded.state_tensors(self.unwrap(wrapped), optimizer)
+
+    def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
+        """A sharded checkpoint folder, written under any layout and world size, into this one. Collective."""
+        from ddpkit import sharded
+
+        sharded.load(path, self.unwrap(wrapped), optimizer, side)
 
 
 def ddp_options(dist_cfg: Any) -> dict:

@@ -114,44 +114,4 @@ def clip_grad_norm_(parameters, max_norm: float):
     return total
 
 
-# ------------------------------------------------------------------------------ the state of DTensor models
-
-
-def has_dtensors(module: nn.Module) -> bool:
-    """True when some parameter is a DTensor (tensor parallel, FSDP2): its state must be gathered whole."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def full_model_state(module: nn.Module) -> dict:
-    """Full-model names and whole tensors on CPU, whatever is sharded (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(module, options=_options(cpu_offload=True))
-
-
-def full_optimizer_state(module: nn.Module, optimizer, rank: int) -> dict | None:
-    """The whole optimizer state keyed by full-model names on rank 0, None elsewhere (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
-    return sd if rank == 0 else None
-
-
-def load_full_state(module: nn.Module, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
-    """Whole tensors (what full_model_state / full_optimizer_state gave) into a sharded model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(module, model_sd, options=_options())
-    if optimizer is not None and optim_sd is not None:
-        set_optimizer_state_dict(module, optimizer, optim_sd, options=_options())
-
-
-__all__ = ["apply_tensor_parallel", "full_model_state", "gpt_plan", "has_dtensors", "plan_for"]
+__all__ = ["apply_tensor_parallel", "clip_grad_norm_", "gpt_plan", "plan_for"]

@@ -39,8 +39,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
-        for child in _shard_units(model):
-            fully_shard(child, **options)
+        for block in shard_units(model):  # one shard group per block, then the root
+            fully_shard(block, **options)
         fully_shard(model, **options)
         return model
 
@@ -59,19 +59,15 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext()
 
 
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """One shard group per top-level child with trainable parameters; a ModuleDict or ModuleList of blocks
-    (the GPT's) gives one per block."""
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
+    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element."""
     import torch.nn as nn
 
     units = []
     for child in model.children():
-        if not any(p.requires_grad for p in child.parameters()):
-            continue
-        if isinstance(child, nn.ModuleDict | nn.ModuleList):
-            units += [m for m in child.children() if any(p.requires_grad for p in m.parameters())]
-        else:
-            units.append(child)
+        parts = list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+        units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
     return units
 
 
