@@ -73,6 +73,7 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
+TP_TEST = "tests/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 COVERED = {
     # with train.max_steps=3, sgd at a constant lr and the global batch of the single-process reference
     "ddpkit train dist.strategy=fsdp checkpoint.format=sharded --nproc-per-node 2": (
@@ -127,6 +128,15 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
+    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=fsdp dist.offload=cpu --nproc-per-node 2": f"{TP_TEST}[fsdp_offload]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
+    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.

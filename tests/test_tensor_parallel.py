@@ -246,6 +246,8 @@ RUN = [
     "data.dataset=text",
     "model.dropout=0",
     "optim.name=sgd",
+    "optim.lr=0.5",
+    "optim.ref_batch_size=8",  # lr 0.5 as it is: 6 steps move the weights well beyond the tolerance
     "train.max_steps=6",
     "report.curves=false",
 ]
