@@ -251,15 +251,16 @@ RUN = [
     "train.max_steps=6",
     "report.curves=false",
 ]
-# (name, extra settings, processes, data-parallel degree); the docs' commands are these with the tiny model
+# (name, extra settings, processes, data-parallel degree, {memory field: at most this fraction of one process's})
+# The docs' commands are these with the tiny model.
 LAYOUTS = [
-    ("ddp", ["dist.strategy=ddp"], 2, 2),
-    ("zero1", ["dist.strategy=zero1"], 2, 2),
-    ("zero2", ["dist.strategy=zero2"], 2, 2),
-    ("fsdp_offload", ["dist.strategy=fsdp", "dist.offload=cpu"], 2, 2),
-    ("tp2", ["dist.tp=2"], 2, 1),
-    ("dp2xtp2", ["dist.tp=2"], 4, 2),
-    ("checkpointing", ["model.activation_checkpointing=full"], 1, 1),
+    ("ddp", ["dist.strategy=ddp"], 2, 2, {}),
+    ("zero1", ["dist.strategy=zero1"], 2, 2, {"optim": 0.6}),
+    ("zero2", ["dist.strategy=zero2"], 2, 2, {"grad": 0.6, "optim": 0.6}),
+    ("fsdp_offload", ["dist.strategy=fsdp", "dist.offload=cpu"], 2, 2, {"param": 0.6, "optim": 0.6}),
+    ("tp2", ["dist.tp=2"], 2, 1, {"param": 0.8, "grad": 0.8, "optim": 0.8}),
+    ("dp2xtp2", ["dist.tp=2"], 4, 2, {"param": 0.4, "optim": 0.4}),
+    ("checkpointing", ["model.activation_checkpointing=full"], 1, 1, {}),
 ]
 
 
@@ -292,11 +293,16 @@ def single_run(text_root, tmp_path_factory):
     return _ddpkit_train(text_root, tmp_path_factory.mktemp("single") / "run", [], 1, 1)
 
 
-@pytest.mark.parametrize("name, extra, nproc, dp", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_ddpkit_train_layout_equals_one_process(single_run, text_root, tmp_path, name, extra, nproc, dp):
+@pytest.mark.parametrize("name, extra, nproc, dp, memory", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_ddpkit_train_layout_equals_one_process(
+    single_run, text_root, tmp_path, name, extra, nproc, dp, memory
+):
     weights, rows = _ddpkit_train(text_root, tmp_path / "run", extra, nproc, dp)
     want_weights, want_rows = single_run
     _assert_close(weights, want_weights)
     assert rows[-1]["step"] == 6 and rows[-1]["global_batch_size"] == GLOBAL
     for key in ("train_loss", "val_loss"):  # every sample counted once, whatever the layout
         assert rows[-1][key] == pytest.approx(want_rows[-1][key], rel=1e-4), key
+    for what, most in memory.items():  # rank 0's own tensors, measured at the first optimizer step
+        field = f"{what}_bytes_per_rank"
+        assert rows[0][field] <= most * want_rows[0][field], (field, rows[0][field], want_rows[0][field])
