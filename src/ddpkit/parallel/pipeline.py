@@ -180,20 +180,40 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(
-        self, loader: Iterable, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], width: int
+        self,
+        loader: Iterable,
+        score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        width: int,
+        fixed_batch: int | None = None,
     ) -> torch.Tensor:
         """`score(output, y)` (a float64 vector of `width` sums) summed over every batch of `loader` and every
-        data-parallel replica, on every rank. Exact under every schedule: each sample goes forward once."""
+        data-parallel replica, on every rank. Exact under every schedule: each sample goes forward once.
+
+        fixed_batch: the stages take batches of exactly this size (traced stages): batches are cut into such
+        pieces, the last one padded with repeats of its first sample, whose outputs are not scored."""
         was = self.stages[0].training
         self.train(False)
         sums = torch.zeros(width, dtype=torch.float64, device=self.device)
         for x, y in loader:
-            out = self.forward(x)
-            if out is not None and self.counts and len(y):
-                sums += score(out.float(), y.to(self.device)).to(sums)
+            for xs, ys in _pieces(x, y, fixed_batch):
+                out = self.forward(xs)
+                if out is not None and self.counts and len(ys):
+                    sums += score(out[: len(ys)].float(), ys.to(self.device)).to(sums)
         dist.all_reduce(sums)  # only the counted last-stage ranks hold non-zero sums
         self.train(was)
         return sums
+
+
+def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
+    """(x, y) as is, or cut into pieces of `size` samples, x of the last one padded to `size`."""
+    if size is None:
+        yield x, y
+        return
+    for start in range(0, len(x), size):
+        xs, ys = x[start : start + size], y[start : start + size]
+        if len(xs) < size:
+            xs = torch.cat([xs, xs[:1].expand(size - len(xs), *xs.shape[1:])])
+        yield xs, ys
 
 
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor] | None:
