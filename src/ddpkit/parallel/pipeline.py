@@ -113,22 +113,23 @@ class PipelineRunner:
         """The global rank running `stage` in this rank's pipeline."""
         return dist.get_global_rank(self.pp_group, stage % self.pp)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward and backward of one batch (cut into the micro-batches); gradients are those of the batch's
-        mean loss. Returns that loss (detached) on every rank of the pipeline."""
+        mean loss. Returns that loss (detached) on every rank of the pipeline, and the last stage's output of
+        the whole batch on the rank running it (None elsewhere)."""
         self.train()
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
         with self.autocast():
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            out = self.schedule.step(*args, target=target, losses=losses, return_outputs=self.last)
         loss = (
             torch.stack([v.detach().float() for v in losses]).mean()
             if self.last
             else torch.zeros((), device=self.device)
         )
         dist.broadcast(loss, src=self._owner(self.n_stages - 1), group=self.pp_group)
-        return loss
+        return loss, (_local(out).detach() if self.last and out is not None else None)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
@@ -223,7 +224,7 @@ def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor] | None:
     for stage in runner.stages:
         for k, v in stage.state_dict().items():
             local[k] = _local(v).detach().cpu()
-    mine = local if runner.counts and _first_replica(runner) else {}
+    mine = local if runner.counts and first_replica(runner) else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is None:
@@ -244,5 +245,5 @@ def load_full_state(runner: PipelineRunner, state: dict[str, torch.Tensor]) -> N
         stage.load_state_dict({k: state[k] for k in own})
 
 
-def _first_replica(runner: PipelineRunner) -> bool:
+def first_replica(runner: PipelineRunner) -> bool:
     return runner.dp_group is None or dist.get_rank(runner.dp_group) == 0

@@ -107,7 +107,7 @@ class PipelineModel:
                 f"model.step() got a batch of {len(x)} samples, the pipeline runs batches of {self.batch}",
                 "give every step a batch of the same size (DataLoader(..., drop_last=True))",
             )
-        return runner.step(x, y)
+        return runner.step(x, y)[0]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of all stages together to 2-norm max_norm; returns the norm before clipping."""

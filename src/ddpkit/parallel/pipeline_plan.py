@@ -52,12 +52,13 @@ def resnet_splits(n_stages: int) -> list[str]:
     return points[n_stages]
 
 
-def check_pipeline(cfg: Any, world_size: int) -> None:
-    """Refuse, with one line, a pipeline setting that cannot work (called before workers start)."""
+def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
+    """Refuse, with one line, a pipeline setting that cannot work (called before workers start; the world size
+    is checked when it is known)."""
     d, train = cfg.dist, cfg.train
     if d.pp == 1:
         return
-    if world_size % (d.pp * d.tp):
+    if world_size is not None and world_size % (d.pp * d.tp):
         raise UserError(
             f"{world_size} process(es) cannot hold dist.pp={d.pp} x dist.tp={d.tp}",
             f"start a multiple of {d.pp * d.tp} processes",
