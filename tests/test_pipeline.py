@@ -80,7 +80,7 @@ LAYOUTS = {
     "pp2-gpipe": (2, ["dist.pp=2", "dist.pp_schedule=gpipe"], GLOBAL_BATCH),
     "pp2-1f1b": (2, ["dist.pp=2", "dist.pp_schedule=1f1b"], GLOBAL_BATCH),
     "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=interleaved_1f1b"], GLOBAL_BATCH),
-    "dp2xpp2": (4, ["dist.pp=2", "dist.pp_schedule=1f1b"], GLOBAL_BATCH // 2),
+    "dp2xpp2": (4, ["dist.pp=2"], GLOBAL_BATCH // 2),
 }
 
 

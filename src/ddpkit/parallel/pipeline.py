@@ -172,11 +172,11 @@ class PipelineRunner:
             if sid > 0:
                 h = self._recv(sid - 1)
             with self.autocast():
-                h = _local(self.stages[k](h))
-            if sid < self.n_stages - 1:
-                self._send(h, sid + 1)
+                h = self.stages[k](h)
+            if sid < self.n_stages - 1:  # a tensor-parallel rank sends its own part to its peer
+                self._send(h.to_local() if hasattr(h, "to_local") else h, sid + 1)
             else:
-                out = h
+                out = _local(h)
         return out
 
     @torch.no_grad()
