@@ -135,8 +135,9 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--batch {args.batch} is not a multiple of m={bad[0]}")
     os.environ.setdefault("DDPKIT_OVERSUBSCRIBE", "1")
-    import ddpkit
     from _common import machine, machine_line
+
+    import ddpkit
 
     info = machine()
     rows = ddpkit.launch(worker, args, nprocs=args.stages)[0]
