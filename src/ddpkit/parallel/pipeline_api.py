@@ -25,15 +25,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.errors import UserError
+from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline import PipelineRunner, full_state
 from ddpkit.parallel.pipeline_plan import SCHEDULES, n_microbatches, stage_ids, stages_per_rank
 from ddpkit.parallel.pipeline_split import check_split_names, micro_chunks, traced_stages
-
-
-def _layout(world_size: int, pp: int):
-    from ddpkit.parallel._mesh_shim import layout_of
-
-    return layout_of(world_size, 1, pp)
 
 
 class PipelineModel:
@@ -66,7 +61,7 @@ class PipelineModel:
         self.pp, self.schedule = pp, schedule
         self.microbatches = n_microbatches(pp, microbatches)
         self.device = device or torch.device("cpu")
-        self.layout = _layout(dist.get_world_size(), pp)
+        self.layout = layout_of(dist.get_world_size(), tp=1, pp=pp)
         self.coords = self.layout.coords(dist.get_rank())
         self.runner: PipelineRunner | None = None
         self.batch: int | None = None  # the batch size the stages were traced for
@@ -74,8 +69,6 @@ class PipelineModel:
     def _built(self, x: torch.Tensor) -> PipelineRunner:
         """The runner, tracing the model on the first micro-batch seen."""
         if self.runner is None:
-            from ddpkit.parallel._mesh_shim import build_mesh
-
             mesh = build_mesh(self.layout, self.device.type)
             ids = stage_ids(self.coords["pp"], self.pp, self.schedule)
             if len(x) < self.microbatches:

@@ -16,18 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline import PipelineRunner, first_replica, full_state, load_full_state
 from ddpkit.parallel.pipeline_plan import n_microbatches, resnet_splits, stage_ids
 from ddpkit.parallel.pipeline_split import gpt_stage, traced_stages
 from ddpkit.parallel.strategy import Strategy
-
-
-def _mesh_api():
-    try:
-        from ddpkit.parallel import mesh
-    except ImportError:  # until the shared device mesh exists
-        from ddpkit.parallel import _mesh_shim as mesh
-    return mesh
 
 
 @dataclass
@@ -39,20 +32,12 @@ class PipelineParts:
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
 
 
-def data_shard(cfg, ctx) -> tuple[int, int]:
-    """(replica index, replicas): what the loaders shard by and the global batch counts."""
-    mesh = _mesh_api()
-    layout = mesh.layout_of(ctx.world_size, cfg.dist.tp, cfg.dist.pp)
-    return layout.coords(ctx.rank)["dp"], layout.dp
-
-
 def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
     """This rank's stages of `model` and the runner feeding them (collective: builds the device mesh)."""
-    mesh_api = _mesh_api()
     d = cfg.dist
-    layout = mesh_api.layout_of(ctx.world_size, d.tp, d.pp)
+    layout = layout_of(ctx.world_size, d.tp, d.pp)
     coords = layout.coords(ctx.rank)
-    mesh = mesh_api.build_mesh(layout, ctx.device.type)
+    mesh = build_mesh(layout, ctx.device.type)
     ids = stage_ids(coords["pp"], d.pp, d.pp_schedule)
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = None
