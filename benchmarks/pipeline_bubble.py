@@ -8,7 +8,7 @@ ScheduleGPipe / Schedule1F1B). A stage's busy time is the wall time inside its f
 step timed between two barriers, so waiting for a neighbour and sending to it count as idle. The median over
 --steps measured steps (after --warmup) is reported.
 
-    python benchmarks/pipeline_bubble.py                          # p=2, m = 1 2 4 8 16, gpipe and 1f1b
+    python benchmarks/pipeline_bubble.py                          # p=2, m = 2 4 8 16, gpipe and 1f1b
     python benchmarks/pipeline_bubble.py --micro 2 4 --steps 5 --json bubble.json
 """
 
@@ -71,15 +71,17 @@ def measure(schedule: str, m: int, args) -> dict:
         loss_fn=lambda out, y: F.mse_loss(out, y),
         pp_group=dist.group.WORLD,
     )
-    x = torch.randn(args.batch, args.width)
+    # the first stage's input asks for a gradient too, so that its full backward hook fires at the end of its
+    # backward (with no input needing one it fires at the start, and the backward would count as idle)
+    x = torch.randn(args.batch, args.width, requires_grad=True)
     idle, times = [], []
     for step in range(args.warmup + args.steps):
         dist.barrier()
         clock.busy, t0 = 0.0, time.perf_counter()
-        runner.step(x, x)
+        runner.step(x, x.detach())
         dist.barrier()
         elapsed = time.perf_counter() - t0
-        for p in stage.parameters():
+        for p in [*stage.parameters(), x]:
             p.grad = None
         if step >= args.warmup:
             idle.append(1 - clock.busy / elapsed)
@@ -122,7 +124,7 @@ def table(rows: list[dict], p: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2)")
-    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batch counts m")
+    ap.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8, 16], help="micro-batch counts m")
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -131,9 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    bad = [m for m in args.micro if args.batch % m]
+    bad = [m for m in args.micro if args.batch % m or m < args.stages]
     if bad:
-        ap.error(f"--batch {args.batch} is not a multiple of m={bad[0]}")
+        ap.error(f"m={bad[0]}: m must be at least --stages and divide --batch {args.batch}")
     os.environ.setdefault("DDPKIT_OVERSUBSCRIBE", "1")
     from _common import machine, machine_line
 

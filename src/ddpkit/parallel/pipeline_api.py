@@ -27,7 +27,13 @@ import torch.nn as nn
 from ddpkit.errors import UserError
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline import PipelineRunner, full_state
-from ddpkit.parallel.pipeline_plan import SCHEDULES, n_microbatches, stage_ids, stages_per_rank
+from ddpkit.parallel.pipeline_plan import (
+    SCHEDULES,
+    check_microbatches,
+    n_microbatches,
+    stage_ids,
+    stages_per_rank,
+)
 from ddpkit.parallel.pipeline_split import check_split_names, micro_chunks, traced_stages
 
 
@@ -60,6 +66,7 @@ class PipelineModel:
         self.model, self.names, self.loss_fn = model, list(pp_split), loss_fn
         self.pp, self.schedule = pp, schedule
         self.microbatches = n_microbatches(pp, microbatches)
+        check_microbatches(self.microbatches, pp, "ddpkit.prepare: pp_microbatches", "pp")
         self.device = device or torch.device("cpu")
         self.layout = layout_of(dist.get_world_size(), tp=1, pp=pp)
         self.coords = self.layout.coords(dist.get_rank())

@@ -30,6 +30,15 @@ def n_microbatches(pp: int, configured: int | None) -> int:
     return configured if configured is not None else 2 * pp
 
 
+def check_microbatches(micro: int, pp: int, key: str, pp_key: str) -> None:
+    """torch's schedules need at least one micro-batch per pipeline rank."""
+    if micro < pp:
+        raise UserError(
+            f"{key}={micro} is fewer than the {pp} pipeline ranks ({pp_key}={pp})",
+            f"use at least {pp} micro-batches (the default is {2 * pp})",
+        )
+
+
 def block_ranges(n_layer: int, n_stages: int) -> list[range]:
     """The transformer blocks of each stage: n_layer / n_stages consecutive blocks each."""
     if n_layer % n_stages:
@@ -99,6 +108,7 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
         if bad:
             raise UserError(f"{what} cannot run with dist.pp={d.pp}", hint)
     micro = n_microbatches(d.pp, d.pp_microbatches)
+    check_microbatches(micro, d.pp, "dist.pp_microbatches", "dist.pp")
     if train.batch_size % micro:
         raise UserError(
             f"train.batch_size={train.batch_size} cannot be cut into dist.pp_microbatches={micro} equal parts",

@@ -47,10 +47,10 @@ def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=Non
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
         stages = traced_stages(model, resnet_splits(n_stages), example, ids)
-    if layout.tp > 1:
-        from ddpkit.parallel.tensor import parallelize_stage  # the tensor-parallel plan of a GPT stage
+    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
+        from ddpkit.parallel.tensor import apply_tensor_parallel
 
-        stages = [parallelize_stage(s, mesh["tp"]) for s in stages]
+        stages = [apply_tensor_parallel(s, mesh["tp"]) for s in stages]
     runner = PipelineRunner(
         stages,
         schedule=d.pp_schedule,
