@@ -1,15 +1,21 @@
 """The pipeline bubble, measured: the idle fraction of each stage per optimizer step under GPipe and 1F1B at
 several micro-batch counts m, beside the theory (p - 1) / (m + p - 1) for p stages of equal cost.
 
-Each of p processes (gloo, one thread each) runs one stage of the same size: `--layers` Linear(width, width)
-+ GELU layers, fed a batch of `--batch` rows cut into m micro-batches by ddpkit's PipelineRunner (torch's
-ScheduleGPipe / Schedule1F1B). A stage's busy time is the wall time inside its forward and backward
+Each of p processes (gloo, one thread each) runs one stage of the same cost, fed a batch of `--batch` rows cut
+into m micro-batches by ddpkit's PipelineRunner (torch's ScheduleGPipe / Schedule1F1B). The stage's work is
+`--kernel`:
+  device   a fixed-time stand-in for an accelerator kernel: each micro-batch's forward takes --fwd-ms and its
+           backward twice that (a sleep, so the stages do not compete for the CPU, as stages on their own
+           devices do not); what is measured is the schedule's bubble plus its communication
+  matmul   `--layers` Linear(width, width) + GELU layers computed on the CPU (with p processes on fewer free
+           cores than p, CPU contention shows up as idle time too)
+A stage's busy time is the wall time inside its forward and backward
 (module hooks: forward pre/post, full backward pre/post); its idle fraction is 1 - busy / step time, the
 step timed between two barriers, so waiting for a neighbour and sending to it count as idle. The median over
 --steps measured steps (after --warmup) is reported.
 
     python benchmarks/pipeline_bubble.py                          # p=2, m = 2 4 8 16, gpipe and 1f1b
-    python benchmarks/pipeline_bubble.py --micro 2 4 --steps 5 --json bubble.json
+    python benchmarks/pipeline_bubble.py --kernel matmul --json bubble.json
 """
 
 from __future__ import annotations
@@ -47,10 +53,35 @@ class _Clock:
         self.busy += time.perf_counter() - self._t
 
 
-def _stage(width: int, layers: int):
+def _stage(args):
+    import torch
     import torch.nn as nn
 
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())])
+    if args.kernel == "matmul":
+        return nn.Sequential(
+            *[m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.GELU())]
+        )
+
+    class Kernel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(args.fwd_ms / 1000)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * args.fwd_ms / 1000)
+            return grad
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(args.width, args.width)
+
+        def forward(self, x):
+            return Kernel.apply(self.lin(x))
+
+    return Stage()
 
 
 def measure(schedule: str, m: int, args) -> dict:
@@ -62,7 +93,7 @@ def measure(schedule: str, m: int, args) -> dict:
     from ddpkit.parallel.pipeline import PipelineRunner
 
     torch.manual_seed(0)
-    stage = _stage(args.width, args.layers)
+    stage = _stage(args)
     clock = _Clock(stage)
     runner = PipelineRunner(
         [stage],
@@ -126,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2)")
     ap.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8, 16], help="micro-batch counts m")
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    ap.add_argument("--kernel", choices=["device", "matmul"], default="device")
+    ap.add_argument("--fwd-ms", type=float, default=20.0, help="device kernel: forward ms per micro-batch")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256, help="rows per step (a multiple of every m)")
@@ -144,7 +177,12 @@ def main(argv=None) -> int:
     info = machine()
     rows = ddpkit.launch(worker, args, nprocs=args.stages)[0]
     print(machine_line(info))
-    print(f"p={args.stages} stages of {args.layers} x Linear({args.width}, {args.width}), batch {args.batch}")
+    work = (
+        f"a {args.fwd_ms:g} ms forward + {2 * args.fwd_ms:g} ms backward kernel per micro-batch"
+        if args.kernel == "device"
+        else f"{args.layers} x Linear({args.width}, {args.width})"
+    )
+    print(f"p={args.stages} stages, each {work}, batch {args.batch}")
     print(table(rows, args.stages))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=1))

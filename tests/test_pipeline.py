@@ -159,3 +159,28 @@ def test_prepare_refuses_a_split_that_is_not_the_models():
         check_split_names(user.TinyLM(), ["blocks.9"], 2)
     with pytest.raises(UserError, match="cut the model into 3 stage"):
         check_split_names(user.TinyLM(), ["blocks.1", "blocks.2"], 2)
+
+
+def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
+    """The tracer bakes train-mode BatchNorm and dropout into its graph: evaluation runs eval-mode twins of the
+    stages on the training stages' parameters and buffers, and gets the model's own eval output."""
+    import torch.nn as nn
+
+    from ddpkit.parallel.pipeline_split import traced_stages
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(4 * 36, 5)
+    )
+    x = torch.randn(4, 3, 8, 8)
+    stages, twins = traced_stages(model, ["2"], (x,), [0, 1])
+    stages[1](stages[0](x))  # a training forward: the running statistics move, in the model's own buffers
+    assert float(model[1].running_mean.abs().sum()) > 0
+
+    def run(k, h):
+        tensors = {**dict(stages[k].named_parameters()), **dict(stages[k].named_buffers())}
+        return torch.func.functional_call(twins[k], tensors, (h,))
+
+    with torch.no_grad():
+        got = run(1, run(0, x))
+        assert torch.equal(got, model.eval()(x))

@@ -48,6 +48,7 @@ class PipelineRunner:
     """This rank's stages of a pipeline, and the schedule that feeds them.
 
     `stages`: the modules of the stages this rank runs (stage indices from `pipeline_plan.stage_ids`);
+    `eval_stages`: traced stages' eval-mode twins (evaluation runs them on `stages`' parameters and buffers);
     `loss_fn(output, target)`: the mean loss of one micro-batch, on the last stage; `counts`: this rank's
     last-stage results are the ones counted (one rank per pipeline when tensor-parallel ranks repeat them).
     """
@@ -64,6 +65,7 @@ class PipelineRunner:
         device: torch.device | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         counts: bool = True,
+        eval_stages: Sequence[nn.Module] | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -72,6 +74,7 @@ class PipelineRunner:
         self.ids = stage_ids(self.pp_rank, self.pp, schedule)
         self.n_stages = self.pp * len(self.ids)
         self.stages = list(stages)
+        self.eval_stages = list(eval_stages) if eval_stages is not None else None
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.device = device or torch.device("cpu")
         self.autocast, self.counts = autocast, counts
@@ -172,12 +175,19 @@ class PipelineRunner:
             if sid > 0:
                 h = self._recv(sid - 1)
             with self.autocast():
-                h = self.stages[k](h)
+                h = self._eval_forward(k, h)
             if sid < self.n_stages - 1:  # a tensor-parallel rank sends its own part to its peer
                 self._send(h.to_local() if hasattr(h, "to_local") else h, sid + 1)
             else:
                 out = _local(h)
         return out
+
+    def _eval_forward(self, k: int, h: torch.Tensor):
+        if self.eval_stages is None:
+            return self.stages[k](h)
+        stage = self.stages[k]
+        tensors = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+        return torch.func.functional_call(self.eval_stages[k], tensors, (h,))
 
     @torch.no_grad()
     def evaluate(

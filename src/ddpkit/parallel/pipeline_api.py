@@ -85,7 +85,7 @@ class PipelineModel:
                 )
             self.batch = len(x) // self.microbatches * self.microbatches
             example = (x[: self.batch // self.microbatches].to(self.device),)
-            stages = traced_stages(self.model, self.names, example, ids)
+            stages, eval_stages = traced_stages(self.model, self.names, example, ids)
             self.runner = PipelineRunner(
                 stages,
                 schedule=self.schedule,
@@ -94,6 +94,7 @@ class PipelineModel:
                 pp_group=mesh["pp"].get_group(),
                 dp_group=mesh["dp"].get_group(),
                 device=self.device,
+                eval_stages=eval_stages,
             )
         return self.runner
 

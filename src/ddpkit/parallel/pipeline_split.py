@@ -50,11 +50,7 @@ def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key
         )
 
 
-def traced_stages(
-    model: nn.Module, names: Sequence[str], example: tuple, wanted: Sequence[int]
-) -> list[nn.Module]:
-    """The stages `wanted` of `model` cut where each module of `names` begins (torch's pipeline tracer, run on
-    one example micro-batch); the stages share the model's parameters and keep their names."""
+def _trace(model: nn.Module, names: Sequence[str], example: tuple):
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     try:
@@ -70,7 +66,20 @@ def traced_stages(
             f"cutting {type(model).__name__} at {list(names)} gave {pipe.num_stages} stages, not {len(names) + 1}",
             "name modules that each run once, in the order the forward calls them",
         )
-    return [pipe.get_stage_module(i) for i in wanted]
+    return pipe
+
+
+def traced_stages(
+    model: nn.Module, names: Sequence[str], example: tuple, wanted: Sequence[int]
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(training stages, evaluation stages) `wanted` of `model`, cut where each module of `names` begins by
+    torch's pipeline tracer on one example micro-batch. The training stages share the model's parameters and
+    buffers under their full names. The tracer fixes train/eval behaviour (dropout, BatchNorm) into the graph,
+    so the evaluation stages are traced from an eval-mode copy; evaluation runs them on the training stages'
+    tensors (torch.func.functional_call)."""
+    twin = _trace(copy.deepcopy(model).eval(), names, example)  # first: tracing marks the model it traced
+    pipe = _trace(model.train(), names, example)
+    return [pipe.get_stage_module(i) for i in wanted], [twin.get_stage_module(i) for i in wanted]
 
 
 def owned_parameters(stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:

@@ -40,13 +40,13 @@ def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=Non
     mesh = build_mesh(layout, ctx.device.type)
     ids = stage_ids(coords["pp"], d.pp, d.pp_schedule)
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
-    fixed = None
+    fixed = eval_stages = None
     if cfg.model.arch == "gpt":
         stages = [gpt_stage(model, s, n_stages, copy_model=len(ids) > 1) for s in ids]
     else:  # a ResNet: traced on one micro-batch of images, so every batch through it has that size
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
-        stages = traced_stages(model, resnet_splits(n_stages), example, ids)
+        stages, eval_stages = traced_stages(model, resnet_splits(n_stages), example, ids)
     if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
         from ddpkit.parallel.tensor import apply_tensor_parallel
 
@@ -61,6 +61,7 @@ def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=Non
         device=ctx.device,
         autocast=autocast,
         counts=coords["tp"] == 0,
+        eval_stages=eval_stages,
     )
     return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
 
@@ -114,28 +115,34 @@ class PipelineStrategy(Strategy):
 
 
 def named_optimizer_state(runner: PipelineRunner, optimizer: torch.optim.Optimizer) -> dict | None:
-    """{"state": {parameter name: its state}, "param_groups": [hyper-parameters]} of every stage, on rank 0
-    (None elsewhere). Collective."""
+    """The optimizer state of every stage keyed by full-model parameter name, on rank 0 (None elsewhere):
+    `{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}` (the format of
+    torch.distributed.checkpoint.state_dict, which other layouts read). Collective."""
     sd = optimizer.state_dict()
-    names = [n for n, _ in runner.named_parameters()]
-    mine = {names[i]: s for i, s in sd["state"].items()} if runner.counts and first_replica(runner) else {}
+    names = [n for n, _ in runner.named_parameters()]  # the optimizer's order: built over the stages in turn
+    mine = {
+        "state": {names[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    dist.gather_object(mine if runner.counts and first_replica(runner) else None, parts, dst=0)
     if parts is None:
         return None
-    merged: dict[str, Any] = {}
+    parts = [p for p in parts if p is not None]
+    groups = [dict(g, params=[]) for g in parts[0]["param_groups"]]
     for part in parts:
-        merged.update(part)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    return {"state": merged, "param_groups": groups, "keyed_by": "name"}
+        for joined, g in zip(groups, part["param_groups"], strict=True):
+            joined["params"] += g["params"]
+    return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": groups}
 
 
 def load_named_optimizer_state(runner: PipelineRunner, optimizer: torch.optim.Optimizer, sd: dict) -> None:
-    """A name-keyed optimizer state (named_optimizer_state) into this rank's optimizer."""
-    if sd.get("keyed_by") != "name":
-        raise ValueError("the optimizer state is not keyed by parameter name (saved without a pipeline)")
+    """A name-keyed optimizer state (named_optimizer_state's format) into this rank's optimizer."""
+    saved = sd.get("param_groups") or []
+    if not all(isinstance(n, str) for g in saved for n in g.get("params", [])):
+        raise ValueError("the optimizer state is not keyed by parameter name")
     names = [n for n, _ in runner.named_parameters()]
     own = optimizer.state_dict()
     state = {i: sd["state"][n] for i, n in enumerate(names) if n in sd["state"]}
-    groups = [{**g, **h} for g, h in zip(own["param_groups"], sd["param_groups"], strict=True)]
+    groups = [{**s, "params": g["params"]} for g, s in zip(own["param_groups"], saved, strict=True)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
