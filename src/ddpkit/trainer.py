@@ -34,6 +34,7 @@ from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
@@ -56,7 +57,9 @@ class Trainer:
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
-        self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
+        self.ckpt = CheckpointDir(
+            cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
+        )
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
@@ -103,11 +106,9 @@ class Trainer:
         self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
         self.pipeline = None
         if cfg.dist.pp > 1:
-            from ddpkit.parallel import pipeline_trainer as pt
-
             shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
-            self.pipeline = pt.build_pipeline(cfg, ctx, self.model, self.task, self.autocast, shape)
-            self.model, self.strategy = self.pipeline.modules, pt.PipelineStrategy(ctx, self.pipeline)
+            self.pipeline = pipeline_trainer.build(cfg, ctx, self.model, self.task, self.autocast, shape)
+            self.model, self.strategy = self.pipeline.modules, pipeline_trainer.Strategy(ctx, self.pipeline)
             self.wrapped = self.model
             return self.pipeline.coords["dp"], self.pipeline.layout.dp
         self.strategy = build_strategy(
@@ -184,9 +185,7 @@ class Trainer:
     def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
         if self.pipeline is not None:
-            from ddpkit.parallel.pipeline_trainer import pipeline_forward_backward
-
-            pipeline_forward_backward(self, micro_batches)
+            pipeline_trainer.forward_backward(self, micro_batches)
         else:
             self._forward_backward(micro_batches)
         if self.nonfinite.skip_step(self.state.step + 1):
@@ -225,9 +224,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
         if self.pipeline is not None:
-            from ddpkit.parallel.pipeline_trainer import pipeline_evaluate
-
-            return pipeline_evaluate(self)
+            return pipeline_trainer.evaluate(self)
         return evaluate(
             self.strategy.eval_module(self.wrapped),
             self.val_loader,
@@ -243,11 +240,10 @@ class Trainer:
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
         epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
-        highest val_acc1; for a language model the lowest val_loss)."""
+        highest val_acc1; for a language model the lowest val_loss). checkpoint.format=sharded: .dcp folders
+        instead, every rank writing its shards."""
         best = row is not None and self.task.improves(row, self.state)
-        full = {
-            "model": self.strategy.model_state(self.wrapped),
-            "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+        rest = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             **self.state.state_dict(),
@@ -255,11 +251,21 @@ class Trainer:
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
         }
-        if self.ctx.is_main:
-            if full["consumed"]:
-                self.ckpt.save_step(full, best)
-            else:
-                self.ckpt.save_epoch(full, self.state.epoch, best)
+        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
+            tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best)
+        else:
+            model = self.strategy.model_state(self.wrapped)
+            full = {
+                "model": model,
+                "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+                **rest,
+            }
+            if self.ctx.is_main:
+                if full["consumed"]:
+                    self.ckpt.save_step(full, best)
+                else:
+                    self.ckpt.save_epoch(full, self.state.epoch, best)
         self.stop.checkpointed()
         barrier()  # nobody reads a checkpoint before it is complete
 

@@ -227,33 +227,9 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
         yield xs, ys
 
 
-def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor] | None:
-    """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0,
-    None elsewhere. Collective over all ranks."""
-    local: dict[str, torch.Tensor] = {}
-    for stage in runner.stages:
-        for k, v in stage.state_dict().items():
-            local[k] = _local(v).detach().cpu()
-    mine = local if runner.counts and first_replica(runner) else {}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if parts is None:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
+    """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
+    empty dict elsewhere. Collective over all ranks."""
+    from ddpkit.parallel import stage_state
 
-
-def load_full_state(runner: PipelineRunner, state: dict[str, torch.Tensor]) -> None:
-    """A full-model state dict into this rank's stages (each takes the entries it holds; strict per stage)."""
-    for stage in runner.stages:
-        own = stage.state_dict()
-        missing = [k for k in own if k not in state]
-        if missing:
-            raise KeyError(f"the state has no '{missing[0]}'")
-        stage.load_state_dict({k: state[k] for k in own})
-
-
-def first_replica(runner: PipelineRunner) -> bool:
-    return runner.dp_group is None or dist.get_rank(runner.dp_group) == 0
+    return stage_state.model_state(runner.stages)

@@ -144,7 +144,7 @@ class PipelineModel:
         """The whole model's state dict (full names) on rank 0, None elsewhere. Collective."""
         if self.runner is None:
             return self.model.state_dict() if dist.get_rank() == 0 else None
-        return full_state(self.runner)
+        return full_state(self.runner) or None
 
     @property
     def data_rank(self) -> tuple[int, int]:

@@ -1,10 +1,10 @@
 """`ddpkit train` with dist.pp > 1: the model cut into this rank's stages, a PipelineRunner over the device
 mesh, and the Strategy that checkpoints them in full-model form.
 
-The Trainer asks `build_pipeline` for the parts, calls `pipeline_forward_backward` instead of its own
-forward/backward, `PipelineRunner.clip_grad_norm` instead of torch's, and `pipeline_evaluate` for exact
+The Trainer asks `build` for the parts, calls `forward_backward` instead of its own forward/backward,
+`PipelineRunner.clip_grad_norm` instead of torch's, and `evaluate` for exact
 validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
-optimizer state keyed by those names, so they load into any pipeline layout.
+optimizer state keyed by those names (parallel/stage_state.py), so they load into any layout.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit.parallel import stage_state
 from ddpkit.parallel.mesh import build_mesh, layout_of
-from ddpkit.parallel.pipeline import PipelineRunner, first_replica, full_state, load_full_state
+from ddpkit.parallel.pipeline import PipelineRunner
 from ddpkit.parallel.pipeline_plan import n_microbatches, resnet_splits, stage_ids
 from ddpkit.parallel.pipeline_split import gpt_stage, traced_stages
-from ddpkit.parallel.strategy import Strategy
+from ddpkit.parallel.strategy import Strategy as BaseStrategy
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PipelineParts:
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
 
 
-def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
+def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
     """This rank's stages of `model` and the runner feeding them (collective: builds the device mesh)."""
     d = cfg.dist
     layout = layout_of(ctx.world_size, d.tp, d.pp)
@@ -66,7 +66,7 @@ def build_pipeline(cfg, ctx, model: nn.Module, task, autocast, example_shape=Non
     return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
 
 
-def pipeline_forward_backward(trainer, micro_batches) -> None:
+def forward_backward(trainer, micro_batches) -> None:
     """The pipeline's forward and backward of one optimizer step's batch, counted in the train sums once."""
     from ddpkit.builders import to_device
 
@@ -79,7 +79,7 @@ def pipeline_forward_backward(trainer, micro_batches) -> None:
         trainer.nonfinite.see(loss)
 
 
-def pipeline_evaluate(trainer) -> dict[str, Any]:
+def evaluate(trainer) -> dict[str, Any]:
     """Exact validation metrics (every sample once, forward only through the stages), on every rank."""
     from ddpkit.tasks import EVAL_WIDTH
 
@@ -88,13 +88,18 @@ def pipeline_evaluate(trainer) -> dict[str, Any]:
     return trainer.task.val_fields(sums.tolist())
 
 
-class PipelineStrategy(Strategy):
-    """Checkpoints of a pipeline: full-model names, the optimizer state keyed by parameter name."""
+class Strategy(BaseStrategy):
+    """Checkpoints of a pipeline (parallel/stage_state.py): full-model names and the optimizer state keyed by
+    name (checkpoint.format=full), or each rank's stages in a DCP folder (sharded); both load into any layout."""
 
     def __init__(self, ctx, parts: PipelineParts):
         super().__init__(ctx)
         self.parts = parts
         self.name = "ddp" if parts.layout.dp > 1 else "single"
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        return self.parts.runner.stages
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -102,47 +107,17 @@ class PipelineStrategy(Strategy):
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         return wrapped
 
-    def model_state(self, wrapped: nn.Module) -> dict | None:
-        return full_state(self.parts.runner)
+    def model_state(self, wrapped: nn.Module) -> dict:
+        return stage_state.model_state(self.stages)
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        return named_optimizer_state(self.parts.runner, optimizer)
+        return stage_state.optimizer_state(self.stages, optimizer)
 
     def load(self, wrapped, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
-        load_full_state(self.parts.runner, model_sd)
-        if optimizer is not None and optim_sd is not None:
-            load_named_optimizer_state(self.parts.runner, optimizer, optim_sd)
+        stage_state.load_state(self.stages, optimizer, model_sd, optim_sd)
 
+    def sharded_state(self, wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
+        return stage_state.sharded_state(self.stages, optimizer)
 
-def named_optimizer_state(runner: PipelineRunner, optimizer: torch.optim.Optimizer) -> dict | None:
-    """The optimizer state of every stage keyed by full-model parameter name, on rank 0 (None elsewhere):
-    `{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}` (the format of
-    torch.distributed.checkpoint.state_dict, which other layouts read). Collective."""
-    sd = optimizer.state_dict()
-    names = [n for n, _ in runner.named_parameters()]  # the optimizer's order: built over the stages in turn
-    mine = {
-        "state": {names[i]: s for i, s in sd["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
-    }
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine if runner.counts and first_replica(runner) else None, parts, dst=0)
-    if parts is None:
-        return None
-    parts = [p for p in parts if p is not None]
-    groups = [dict(g, params=[]) for g in parts[0]["param_groups"]]
-    for part in parts:
-        for joined, g in zip(groups, part["param_groups"], strict=True):
-            joined["params"] += g["params"]
-    return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": groups}
-
-
-def load_named_optimizer_state(runner: PipelineRunner, optimizer: torch.optim.Optimizer, sd: dict) -> None:
-    """A name-keyed optimizer state (named_optimizer_state's format) into this rank's optimizer."""
-    saved = sd.get("param_groups") or []
-    if not all(isinstance(n, str) for g in saved for n in g.get("params", [])):
-        raise ValueError("the optimizer state is not keyed by parameter name")
-    names = [n for n, _ in runner.named_parameters()]
-    own = optimizer.state_dict()
-    state = {i: sd["state"][n] for i, n in enumerate(names) if n in sd["state"]}
-    groups = [{**s, "params": g["params"]} for g, s in zip(own["param_groups"], saved, strict=True)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
+        stage_state.load_sharded(path, self.stages, optimizer, side)

@@ -17,10 +17,6 @@ class Zero1Strategy(DDPStrategy):
             model.parameters(), optimizer_class=type(template), **constructor_defaults(template)
         )
 
-    def optimizer_state(self, wrapped, optimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if self.ctx.rank == 0 else None
-
 
 def constructor_defaults(optimizer) -> dict:
     """The optimizer's hyper-parameters that its class's constructor takes (AdamW's defaults also hold
