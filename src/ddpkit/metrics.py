@@ -27,9 +27,11 @@ METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what
     "val_loss",
     "val_acc1",
     "val_acc5",
+    "val_ppl",
     "val_samples",
     "epoch_time_s",
     "train_images_per_s",
+    "train_tokens_per_s",
     "skipped_samples",
 )
 

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 EVAL_WIDTH = 5  # evaluation sums: [loss sum, top-1 hits, top-5 hits, samples, units (samples or tokens)]
 
 
+def _joined(*parts: str | bool) -> str:
+    """The parts of an epoch line that are there (a part is False when the epoch has no such numbers)."""
+    return " | ".join(p for p in parts if isinstance(p, str))
+
+
 def _rate(count: float, elapsed: float) -> float | None:
     return round(count / elapsed, 2) if elapsed > 0 else None
 
@@ -75,12 +80,12 @@ class Classification:
         return True
 
     def epoch_text(self, row: dict[str, Any]) -> str:
-        val = row["val_loss"] is not None
-        return (
-            f"train loss {row['train_loss']:.4f} acc {100 * row['train_acc1']:.2f}% | "
-            + (f"val loss {row['val_loss']:.4f} acc1 {100 * row['val_acc1']:.2f}% | " if val else "")
-            + f"{row['train_images_per_s']} img/s"
+        train = f"train loss {row['train_loss']:.4f} acc {100 * row['train_acc1']:.2f}%"
+        val = (
+            row["val_loss"] is not None
+            and f"val loss {row['val_loss']:.4f} acc1 {100 * row['val_acc1']:.2f}%"
         )
+        return _joined(train, val, f"{row['train_images_per_s']} img/s")
 
 
 class LanguageModel:
@@ -132,12 +137,8 @@ class LanguageModel:
         return True
 
     def epoch_text(self, row: dict[str, Any]) -> str:
-        val = row["val_loss"] is not None
-        return (
-            f"train loss {row['train_loss']:.4f} | "
-            + (f"val loss {row['val_loss']:.4f} ppl {row['val_ppl']:.2f} | " if val else "")
-            + f"{row['train_tokens_per_s']} tokens/s"
-        )
+        val = row["val_loss"] is not None and f"val loss {row['val_loss']:.4f} ppl {row['val_ppl']:.2f}"
+        return _joined(f"train loss {row['train_loss']:.4f}", val, f"{row['train_tokens_per_s']} tokens/s")
 
 
 Task = Classification | LanguageModel

@@ -33,6 +33,7 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
@@ -56,6 +57,7 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(
             cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
@@ -191,20 +193,21 @@ class Trainer:
         if self.nonfinite.skip_step(self.state.step + 1):
             self.optimizer.zero_grad(set_to_none=True)
         else:
+            self.memory.before_step(self.model)
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                self._clip(self.cfg.train.clip_grad_norm)
+                # a pipeline's norm is over every stage's gradients
+                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_local
+                clip(self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.state.step += 1
 
-    def _clip(self, max_norm: float) -> None:
-        if self.pipeline is not None:
-            self.pipeline.runner.clip_grad_norm(max_norm)  # the norm over every stage
-        else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+    def _clip_local(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
@@ -240,8 +243,8 @@ class Trainer:
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
         epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
-        highest val_acc1; for a language model the lowest val_loss). checkpoint.format=sharded: .dcp folders
-        instead, every rank writing its shards."""
+        highest val_acc1; for a language model the lowest val_loss).
+        checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
         best = row is not None and self.task.improves(row, self.state)
         rest = {
             "scheduler": self.scheduler.state_dict(),
@@ -346,15 +349,15 @@ class Trainer:
             **val,
             "epoch_time_s": round(elapsed, 4),
             "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
-            **self._startup_once(),
+            **self._first_line_only(),
         }
 
-    def _startup_once(self) -> dict[str, float]:
-        """The start-up fields for this process's first metrics line, nothing for the others."""
-        if not self.startup:
-            return {}
-        fields, self.startup = self.startup, {}
-        return fields
+    def _first_line_only(self) -> dict[str, float]:
+        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        fields = self.startup or {}
+        if fields:
+            self.startup = {}
+        return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
         text = self.task.epoch_text(row)
