@@ -62,12 +62,13 @@ def make_model(
 
 def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
     """(layout, mesh): how the ranks split into dp x tp x pp (checked), and the ("pp", "dp", "tp") DeviceMesh
-    when the model itself is split (None otherwise: the strategy runs over the default group)."""
+    when tensor parallelism splits the model (None otherwise: the strategy runs over the default group; a
+    pipeline builds its own mesh)."""
     import torch.distributed as dist
 
     layout = check_config(cfg, ctx.world_size)
-    parallel = layout.parallel and dist.is_initialized()
-    return layout, build_mesh(layout, ctx.device.type) if parallel else None
+    tensor = layout.tp > 1 and layout.pp == 1 and dist.is_initialized()
+    return layout, build_mesh(layout, ctx.device.type) if tensor else None
 
 
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:

@@ -74,7 +74,9 @@ def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
             "use model.arch=gpt, or pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...})",
         )
     check_gpt_split(model, tp)
-    return gpt_plan(model)
+    # sequence parallel on the whole model; a pipeline stage takes and gives whole hidden states
+    whole = all(getattr(model, part, None) is not None for part in ("tok_emb", "head"))
+    return gpt_plan(model, sequence_parallel=whole)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None = None) -> nn.Module:
