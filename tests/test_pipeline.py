@@ -131,6 +131,7 @@ REFUSED = {
     "model.n_layer=3": "model.n_layer=3 blocks cannot be cut into 2 equal pipeline stages",
     "train.batch_size=6": "train.batch_size=6 cannot be cut into dist.pp_microbatches=4 equal parts",
     "model.arch=cnn": "model.arch=cnn has no pipeline split",
+    "model.sync_bn=true": "model.sync_bn=true cannot run with dist.pp=2",
     "dist.pp_microbatches=1": "dist.pp_microbatches=1 is fewer than the 2 pipeline ranks (dist.pp=2)",
 }
 
