@@ -10,7 +10,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddpkit.atomicio import atomic_write
+from ddpkit.atomicio import atomic_write, sweep_temporaries
 from ddpkit.errors import UserError, first_line
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
@@ -109,6 +109,15 @@ def load_checkpoint(
             f"checkpoint '{path}' is unreadable: {unreadable_reason(e)}",
             "point to a complete checkpoint written by ddpkit train",
         ) from None
+    if isinstance(state, dict):
+        from ddpkit.checkpoint_fields import wrong_field
+
+        wrong = wrong_field(state, training="epoch" in require)
+        if wrong:
+            raise UserError(
+                f"checkpoint '{path}' is unreadable: {wrong}",
+                "point to a complete checkpoint written by ddpkit train",
+            )
     if require:
         missing = [k for k in require if not isinstance(state, dict) or k not in state]
         if missing:
@@ -170,10 +179,8 @@ class CheckpointDir:
         return [p for p in [self.last, *self.epoch_files()] if p.exists()]
 
     def sweep(self) -> None:
-        """Remove the temporary files of saves that were killed half-way."""
-        if self.dir.is_dir():
-            for tmp in self.dir.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+        """Remove the temporary files of saves that were killed half-way (only names atomic_write makes)."""
+        sweep_temporaries(self.dir)
 
     def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
         """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over

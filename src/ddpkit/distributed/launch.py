@@ -193,6 +193,10 @@ def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec
         raise UserError(
             f"--master-port {spec.master_port} is out of range", "use a port between 1024 and 65535"
         )
+    if spec.rdzv_timeout <= 0:
+        raise UserError(
+            f"--rdzv-timeout must be > 0 seconds, got {spec.rdzv_timeout}", "use e.g. --rdzv-timeout 900"
+        )
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {spec.max_restarts}", "use e.g. --max-restarts 3")
     spec = _slurm_agents(spec, os.environ if environ is None else environ)
