@@ -85,11 +85,14 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
             restarts.append(epoch - 1)
         last = epoch
         by_epoch[epoch] = row
+    if not by_epoch:
+        n = len(lines.skipped)
+        raise _bad(
+            path, "holds no epoch yet" + (f" ({n} line(s) that are not ddpkit metrics skipped)" if n else "")
+        )
     note = lines.note(path)
     if note and warn is not None:
         warn(note)
-    if not by_epoch:
-        raise _bad(path, "holds no epoch yet")
     return [by_epoch[e] for e in sorted(by_epoch)], restarts
 
 
