@@ -74,6 +74,9 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 COVERED = {
+    "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
+        "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
+    ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
     "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     "ddpkit comm --nproc-per-node 2": "tests/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",

@@ -242,6 +242,16 @@ def test_a_bad_input_every_worker_finds_is_one_error_line(tmp_path):
     assert "api.py" not in proc.stderr, proc.stderr
 
 
+def test_a_cut_checkpoint_and_a_newline_in_a_flag_each_give_one_clean_line(tmp_path):
+    path = tmp_path / "cut.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "epoch": 1, "step": 1}, path)
+    path.write_bytes(path.read_bytes()[:-10])  # cut inside the zip directory: torch's reader says EINVAL
+    with pytest.raises(UserError, match="truncated or damaged") as caught:
+        load_checkpoint(path)
+    assert "Invalid argument" not in str(caught.value) and "permissions" not in str(caught.value)
+    assert_user_error(run_cli("k8s", "--image", "ddpkit:1\nrm -rf /"), "--image")
+
+
 # ---------------------------------------------------------------------------------------------------- hangs
 
 STUCK = """

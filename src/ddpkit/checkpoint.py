@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -101,6 +102,11 @@ def load_checkpoint(
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:  # permissions, I/O errors: the file is there but cannot be read
+        if e.errno == errno.EINVAL:  # torch's zip reader on a file cut short: not the disk's fault
+            raise UserError(
+                f"checkpoint '{path}' is unreadable: it is truncated or damaged",
+                "point to a complete checkpoint written by ddpkit train",
+            ) from None
         raise UserError(
             f"cannot read checkpoint '{path}': {e.strerror or e}", "check the file's permissions and disk"
         ) from None
