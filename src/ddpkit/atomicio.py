@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -132,14 +133,15 @@ def _temporaries(fd: int) -> list[str]:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):  # a file, or a folder (mkdtemp)
                 names.append(name)
     return names
 
 
 def sweep_temporaries(folder: str | os.PathLike) -> int:
-    """Delete atomic_write's leftover temporaries in `folder` (regular files with its temporary names, never
-    any other file; nothing in a symlinked folder); how many went."""
+    """Delete the leftover temporaries of killed saves in `folder`: regular files and folders with the names
+    mkstemp/mkdtemp make for ddpkit (`.NAME.XXXXXXXX.tmp`), never any other file, nothing in a symlinked
+    folder; how many went."""
     fd = _open_folder(folder)
     if fd is None:
         return 0
@@ -147,7 +149,10 @@ def sweep_temporaries(folder: str | os.PathLike) -> int:
     try:
         for name in _temporaries(fd):
             try:
-                os.unlink(name, dir_fd=fd)
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # never follows a symlink inside
+                else:
+                    os.unlink(name, dir_fd=fd)
                 gone += 1
             except FileNotFoundError:
                 pass

@@ -47,16 +47,30 @@ def make_model(
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
     seed_model_init(cfg.seed)
     num_classes = cfg.model.num_classes or spec.num_classes
-    model = models.build_model(cfg, num_classes, spec.in_channels, spec.image_size, report=report)
+    model = models.build_model(
+        cfg,
+        num_classes,
+        spec.in_channels,
+        spec.image_size,
+        report=report,
+        vocab_size=spec.vocab_size,
+        block_size=spec.block_size,
+    )
     return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
 
 
 def load_weights(
     strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
 ) -> None:
-    """A checkpoint's model (and optimizer) state into `wrapped`; one UserError when it does not fit."""
+    """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
+    tensors read by every rank); one UserError when it does not fit. Collective."""
+    from ddpkit.sharded import is_sharded
+
     try:
-        strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
+        if is_sharded(path):
+            strategy.load_sharded(wrapped, optimizer, path, state)
+        else:
+            strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
             f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",

@@ -130,8 +130,9 @@ def check_own_files(out: Path) -> None:
     own = [(out / n, None) for n in OWN_FILES] + [(out / n, "a folder") for n in OWN_FOLDERS]
     ckpts = out / "checkpoints"
     if _kind(ckpts) == "a folder":
-        # a checkpoint is a file, or a folder (checkpoint.format=sharded): never a symlink
-        own += [(p, "either") for p in ckpts.iterdir() if p.name.endswith(".pt") or TEMP_RE.match(p.name)]
+        # a checkpoint is a file, or a folder (checkpoint.format=sharded, .dcp): never a symlink
+        ours = (".pt", ".dcp", ".dcp.prev")
+        own += [(p, "either") for p in ckpts.iterdir() if p.name.endswith(ours) or TEMP_RE.match(p.name)]
     for path, want in own:
         kind = _kind(path)
         if kind is not None and kind != want and not (want == "either" and kind == "a folder"):
@@ -174,7 +175,8 @@ def inspect(out_dir: str | os.PathLike) -> Earlier:
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
     ckpt_dir = out / "checkpoints"
-    ckpts = tuple(sorted(p.name for p in ckpt_dir.glob("*.pt"))) if ckpt_dir.is_dir() else ()
+    found = [*ckpt_dir.glob("*.pt"), *ckpt_dir.glob("*.dcp")] if ckpt_dir.is_dir() else []
+    ckpts = tuple(sorted(p.name for p in found))
     epochs = tuple(int(r["epoch"]) for r in read_metrics(out) if isinstance(r.get("epoch"), int))
     return Earlier(out, files, ckpts, epochs)
 

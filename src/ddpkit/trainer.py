@@ -33,19 +33,21 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
+from ddpkit.tasks import Task, task_for
 from ddpkit.train_state import TrainState
 
-VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_samples")
+VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
 
 # ------------------------------------------------------------------------------------------------- trainer
 
 
 class Trainer:
-    """Fit a classifier on the configured data with the configured parallel strategy.
+    """Fit a classifier or a language model on the configured data with the configured parallel strategy.
 
     `heartbeat`: the caller's (it stays open); without one the Trainer makes its own and closes it after fit().
     """
@@ -54,13 +56,18 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
-        self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
+        self.ckpt = CheckpointDir(
+            cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
+        )
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
         self.build()
-        self.state = TrainState(self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device)
+        self.state = TrainState(
+            self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device, self.task.accuracy
+        )
         ck = cfg.checkpoint
         self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
@@ -93,6 +100,7 @@ class Trainer:
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
         self.autocast = make_autocast(self.device, cfg.train.amp)
         startup.mark("model")
 
@@ -171,17 +179,19 @@ class Trainer:
             with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
                 with self.autocast():
                     logits = self.wrapped(x)
-                loss = self.criterion(logits.float(), y)
+                loss = self.task.loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
-            self.state.sums.add(loss, logits, y)
+            self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
         if self.nonfinite.skip_step(self.state.step + 1):
             self.optimizer.zero_grad(set_to_none=True)
         else:
+            self.memory.before_step(self.model)
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
@@ -198,18 +208,17 @@ class Trainer:
             self.autocast,
             self.strategy.collective_forward,
             self.cfg.model.channels_last,
+            task=self.task,
         )
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
-        epoch last.pt only; best.pt too when `row` (the metrics line it carries) has the best val_acc1."""
-        best = row is not None and row["val_acc1"] is not None and row["val_acc1"] > self.state.best_acc1
-        if best:
-            self.state.best_acc1 = row["val_acc1"]
-        full = {
-            "model": self.strategy.model_state(self.wrapped),
-            "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+        epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
+        highest val_acc1; for a language model the lowest val_loss).
+        checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
+        best = row is not None and self.task.improves(row, self.state)
+        rest = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             **self.state.state_dict(),
@@ -217,11 +226,21 @@ class Trainer:
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
         }
-        if self.ctx.is_main:
-            if full["consumed"]:
-                self.ckpt.save_step(full, best)
-            else:
-                self.ckpt.save_epoch(full, self.state.epoch, best)
+        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
+            tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best)
+        else:
+            model = self.strategy.model_state(self.wrapped)
+            full = {
+                "model": model,
+                "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+                **rest,
+            }
+            if self.ctx.is_main:
+                if full["consumed"]:
+                    self.ckpt.save_step(full, best)
+                else:
+                    self.ckpt.save_epoch(full, self.state.epoch, best)
         self.stop.checkpointed()
         barrier()  # nobody reads a checkpoint before it is complete
 
@@ -286,39 +305,34 @@ class Trainer:
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
 
-    def _metrics_row(self, epoch: int, train: tuple[float, float, int], val: dict, elapsed: float) -> dict:
-        loss, acc1, samples = train
-        samples -= self.state.resumed_samples  # the throughput of this process's part of the epoch
+    def _metrics_row(
+        self, epoch: int, train: tuple[float, float | None, int], val: dict, elapsed: float
+    ) -> dict:
+        loss, acc1, units = train
+        units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
         return {
             "epoch": epoch,
             "step": self.state.step,
             "world_size": self.ctx.world_size,
             "global_batch_size": self.global_batch,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "train_loss": loss,
-            "train_acc1": acc1,
+            **self.task.train_fields(loss, acc1, units, elapsed),
             **val,
             "epoch_time_s": round(elapsed, 4),
-            "train_images_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
             "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
-            **self._startup_once(),
+            **self._first_line_only(),
         }
 
-    def _startup_once(self) -> dict[str, float]:
-        """The start-up fields for this process's first metrics line, nothing for the others."""
-        if not self.startup:
-            return {}
-        fields, self.startup = self.startup, {}
-        return fields
+    def _first_line_only(self) -> dict[str, float]:
+        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        fields = self.startup or {}
+        if fields:
+            self.startup = {}
+        return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
-        val = row["val_loss"] is not None
-        return (
-            f"epoch {row['epoch']}/{self.cfg.train.epochs} | train loss {row['train_loss']:.4f} "
-            f"acc {100 * row['train_acc1']:.2f}% | "
-            + (f"val loss {row['val_loss']:.4f} acc1 {100 * row['val_acc1']:.2f}% | " if val else "")
-            + f"{row['train_images_per_s']} img/s | {row['epoch_time_s']:.1f}s"
-        )
+        text = self.task.epoch_text(row)
+        return f"epoch {row['epoch']}/{self.cfg.train.epochs} | {text} | {row['epoch_time_s']:.1f}s"
 
     def _finish(self, last: dict[str, Any]) -> dict[str, Any]:
         if not last:
@@ -330,6 +344,11 @@ class Trainer:
         if last.get("val_acc1") is not None:
             self.log.info(
                 f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
+            )
+        elif last.get("val_ppl") is not None:
+            self.log.info(
+                f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
+                f"on {last['val_samples']} samples"
             )
         from ddpkit import report
 
@@ -361,12 +380,16 @@ def evaluate(
     autocast=contextlib.nullcontext,
     collective_forward: bool = False,
     channels_last: bool = False,
+    task: Task | None = None,
 ) -> dict[str, Any]:
-    """Loss, top-1 and top-5 over an exact (duplicate-free) sharded loader, summed over all ranks."""
-    criterion = criterion or nn.CrossEntropyLoss()
+    """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
+    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`."""
+    from ddpkit.tasks import EVAL_WIDTH, Classification
+
+    task = task or Classification(criterion)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    sums = torch.zeros(EVAL_WIDTH, dtype=torch.float64, device=device)
     batches = iter(loader)
     n_local = n_max = len(loader)
     if collective_forward and is_dist():
@@ -384,23 +407,9 @@ def evaluate(
             logits = model(x).float()
         if not len(y):  # every sample of the batch was undecodable and left out (data.skip_corrupt)
             continue
-        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
-        sums += torch.stack(
-            [
-                criterion(logits, y) * y.shape[0],
-                hit[:, 0].sum().double(),
-                hit.any(dim=1).sum().double(),
-                torch.tensor(float(y.shape[0]), device=device, dtype=torch.float64),
-            ]
-        )
-    loss_sum, top1, top5, n = all_reduce_sum(sums).tolist()
+        sums += task.eval_sums(logits, y)
     model.train(was_training)
-    return {
-        "val_loss": loss_sum / n if n else None,
-        "val_acc1": top1 / n if n else None,
-        "val_acc5": top5 / n if n else None,
-        "val_samples": int(n),
-    }
+    return task.val_fields(all_reduce_sum(sums).tolist())
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:

@@ -22,9 +22,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
-        for child in model.children():  # one shard group per top-level block, then the root
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, **options)
+        for block in shard_units(model):  # one shard group per block, then the root
+            fully_shard(block, **options)
         fully_shard(model, **options)
         return model
 
@@ -42,33 +41,17 @@ class FSDPStrategy(Strategy):
         wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
+    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element."""
+    import torch.nn as nn
 
-    def model_state(self, wrapped):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(wrapped, options=self._options())
-
-    def optimizer_state(self, wrapped, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        sd = get_optimizer_state_dict(wrapped, optimizer, options=self._options())
-        return sd if self.ctx.rank == 0 else None
-
-    def load(self, wrapped, optimizer, model_sd, optim_sd):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(wrapped, model_sd, options=opts)
-        if optimizer is not None and optim_sd is not None:
-            set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
+    units = []
+    for child in model.children():
+        parts = list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+        units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
+    return units
 
 
 def _recognizes(model, optimizer) -> bool:
