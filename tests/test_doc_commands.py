@@ -169,6 +169,7 @@ PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
     "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
+    "stuck.py": "tests/scripts/stuck_rank.py",  # reliability.md: the straggler test runs it as stuck.py
     "R": "0",
     "$RANK": "1",
     "$MASTER_ADDR": "10.0.0.1",

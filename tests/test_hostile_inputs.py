@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import REPO, assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.metrics import RunLog
@@ -254,14 +254,7 @@ def test_a_cut_checkpoint_and_a_newline_in_a_flag_each_give_one_clean_line(tmp_p
 
 # ---------------------------------------------------------------------------------------------------- hangs
 
-STUCK = """
-import os, time
-def wait_forever():
-    time.sleep(600)
-if os.environ["RANK"] == "1":
-    wait_forever()
-print("rank 0 done", flush=True)
-"""
+STUCK = REPO / "tests" / "scripts" / "stuck_rank.py"  # docs/reliability.md shows it as stuck.py
 
 
 class Lines:
@@ -292,7 +285,7 @@ class Lines:
 
 
 def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_path):
-    (tmp_path / "stuck.py").write_text(STUCK)
+    shutil.copy(STUCK, tmp_path / "stuck.py")
     cmd = [
         sys.executable,
         "-m",
@@ -315,7 +308,7 @@ def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_pa
         out.wait_for("[rank1]:   File", 5)
         report = [x for x in out.text().splitlines() if "still running" in x][0]
         assert "rank 1 still running 10 s after rank 0 ended" in report
-        assert 'File "stuck.py", line 4 in wait_forever' in out.text()
+        assert 'File "stuck.py", line 7 in wait_forever' in out.text()
 
         asked = run_cli("stacks", str(proc.pid), timeout=60)  # from another shell, while rank 1 still waits
         assert asked.returncode == 0, asked.stderr
