@@ -35,6 +35,7 @@ from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
@@ -74,24 +75,23 @@ class Trainer:
 
     def build(self) -> None:
         """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
-        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
-        self.strategy = build_strategy(
-            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
-        )
-        self.wrapped = self.strategy.wrap(self.model)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
+        self.autocast = make_autocast(self.device, cfg.train.amp)
+        replica, self.replicas = self._build_model()
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
         self.train_loader, self.val_loader = data.build_loaders(
-            cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
+            cfg, replica, self.replicas, self.train_set, self.val_set
         )
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
-        self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
+        self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
         self.total_steps = optim.total_steps(cfg.train.epochs, self.steps_per_epoch, cfg.train.max_steps)
         self.optimizer = self.strategy.build_optimizer(
@@ -99,10 +99,25 @@ class Trainer:
         )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
-        self.autocast = make_autocast(self.device, cfg.train.amp)
         startup.mark("model")
+
+    def _build_model(self) -> tuple[int, int]:
+        """The model, the strategy and the wrapped model; returns (this rank's data-parallel replica, replicas):
+        what the loaders shard by (under a pipeline the ranks of one pipeline read the same samples)."""
+        cfg, ctx = self.cfg, self.ctx
+        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        self.pipeline = None
+        if cfg.dist.pp > 1:
+            shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
+            self.pipeline = pipeline_trainer.build(cfg, ctx, self.model, self.task, self.autocast, shape)
+            self.model, self.strategy = self.pipeline.modules, pipeline_trainer.Strategy(ctx, self.pipeline)
+            self.wrapped = self.model
+            return self.pipeline.coords["dp"], self.pipeline.layout.dp
+        self.strategy = build_strategy(
+            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+        )
+        self.wrapped = self.strategy.wrap(self.model)
+        return ctx.rank, ctx.world_size
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -171,6 +186,30 @@ class Trainer:
 
     def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
+        if self.pipeline is not None:
+            pipeline_trainer.forward_backward(self, micro_batches)
+        else:
+            self._forward_backward(micro_batches)
+        if self.nonfinite.skip_step(self.state.step + 1):
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.memory.before_step(self.model)
+            if self.cfg.train.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                # a pipeline's norm is over every stage's gradients
+                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_local
+                clip(self.cfg.train.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.state.step += 1
+
+    def _clip_local(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
         self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
@@ -183,23 +222,12 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
-        if self.nonfinite.skip_step(self.state.step + 1):
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.memory.before_step(self.model)
-            if self.cfg.train.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.memory.after_step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-        self.state.step += 1
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
+        if self.pipeline is not None:
+            return pipeline_trainer.evaluate(self)
         return evaluate(
             self.strategy.eval_module(self.wrapped),
             self.val_loader,
@@ -297,11 +325,12 @@ class Trainer:
         return epoch % every == 0 or epoch == last or self.state.step >= self.total_steps
 
     def _banner(self) -> str:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx, d = self.cfg, self.ctx, self.cfg.dist
+        pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if self.pipeline is not None else ""
         return (
             f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
+            f"strategy {self.strategy.name}{pipe}, global batch {self.global_batch} "
+            f"({cfg.train.batch_size} x {self.replicas} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
 
