@@ -219,7 +219,7 @@ def test_a_save_killed_between_its_renames_or_half_way_leaves_the_previous_last(
     _save(ckpts, 1)
     # killed after moving the old last.dcp aside, before the new one took its name
     os.rename(ckpts.last, ckpts.dir / ".last.dcp.prev")
-    (ckpts.dir / ".last.dcp.x1y2.tmp").mkdir()  # ... and a half-written one
+    (ckpts.dir / ".last.dcp.x1y2z3w4.tmp").mkdir()  # ... and a half-written one (as mkdtemp names it)
     path, state = ckpts.newest_complete()
     assert path.name == ".last.dcp.prev" and state["epoch"] == 1
     ckpts.sweep()
