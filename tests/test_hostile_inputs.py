@@ -321,3 +321,32 @@ def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_pa
         proc.send_signal(signal.SIGTERM)  # passed on: the script does not handle it and ends
         proc.wait(timeout=60)
     assert proc.returncode != 0
+
+
+ARMED = """
+import os, sys, time
+from ddpkit.distributed import stacks
+stacks.arm()
+def waiting_rank():
+    time.sleep(600)
+if os.environ["RANK"] == "1":
+    waiting_rank()
+"""
+
+
+def test_straggler_action_stop_ends_the_ranks_still_running_after_naming_them(tmp_path):
+    from ddpkit.distributed.stacks import Watch
+
+    said: list[str] = []
+    with Watch(timeout_s=1, action="stop", say=lambda text, **_: said.append(text)) as watch:
+        env = cli_env()  # the job folder travels in the environment, as to a launcher's workers
+        ranks = [
+            subprocess.Popen([sys.executable, "-c", ARMED], env={**env, "RANK": str(r)}, cwd=tmp_path)
+            for r in (0, 1)
+        ]
+        assert ranks[0].wait(timeout=60) == 0
+        assert ranks[1].wait(timeout=60) == -signal.SIGKILL  # ended by the watch, not by this test
+    assert watch.stopped == [1] and len(said) == 1, said
+    assert "rank 1 still running 1 s after rank 0 ended; ending them" in said[0]
+    assert "[rank1]:" in said[0] and "waiting_rank" in said[0]
+    assert not watch.job.exists()  # the job folder goes with the launch
