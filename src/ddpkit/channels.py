@@ -28,25 +28,25 @@ DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
 
 CHANNELS: tuple[Channel, ...] = (
-    Channel(LAUNCHER, "launch.spawn, distributed.spawn (spawn workers)", "distributed.env",
+    Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.env",
             "'spawn': this worker was started by torch.multiprocessing.spawn, not torch's elastic agent"),
-    Channel(LAUNCHER_PID, "distributed.launch (for its workers while they start)", "distributed.signals",
+    Channel(LAUNCHER_PID, "launcher.launch (for its workers while they start)", "launcher.signals",
             "the launcher's pid: a worker dies with it (PR_SET_PDEATHSIG); each worker takes it out"),
-    Channel(START_TIME, "distributed.launch", "startup",
+    Channel(START_TIME, "launcher.launch", "train.startup",
             "'EPOCH_SECONDS PID': when the launcher started, so a worker's start-up time counts from it"),
-    Channel(LAUNCHER_DRAWS_CURVES, "distributed.launch (one node)", "report, trainer",
+    Channel(LAUNCHER_DRAWS_CURVES, "launcher.launch (one node)", "commands.report, train.trainer",
             "'1': the launcher draws curves.png after the workers end, rank 0 need not"),
-    Channel(IFACE_CHOSEN, "distributed.netif (the launcher)", "distributed.netif (workers)",
+    Channel(IFACE_CHOSEN, "cluster.netif (the launcher)", "cluster.netif (workers)",
             "'IFACE ADDR': the interface ddpkit chose, so workers can tell it from one the user set"),
-    Channel(WARM_START, "the user", "distributed.warm_start, distributed.warm_server",
+    Channel(WARM_START, "the user", "launcher.warm_start, launcher.warm_server",
             "'0': workers start as fresh interpreters instead of forks of a warm server"),
     Channel(OVERSUBSCRIBE, "the user (or --oversubscribe)", "distributed.runtime",
             "'1': more CPU processes on a node than it has cores is meant, not a typo"),
     Channel(PROBE_S, "the user", "distributed.rendezvous",
             "seconds a rank waits for the master's port to accept a connection (default 30)"),
-    Channel(DEBUG, "the user", "distributed.launch, distributed.peers",
+    Channel(DEBUG, "the user", "launcher.launch, launcher.peers",
             "set: torch's agent and store keep their own log lines"),
-    Channel(COMM_TAMPER, "tests of `ddpkit comm`", "distributed.collective_check",
+    Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
 )  # fmt: skip
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 
-from ddpkit.checkpoint import load_checkpoint
 from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
 from ddpkit.config import Config, load_config
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy
+from ddpkit.train.checkpoint import load_checkpoint
 
 
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
     from ddpkit import data
-    from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model
-    from ddpkit.trainer import evaluate
+    from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model
+    from ddpkit.train.trainer import evaluate
 
     path = cfg.checkpoint.path
     if not path:

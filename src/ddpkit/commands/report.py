@@ -411,7 +411,7 @@ class LauncherCurves:
 
     def draw(self) -> Path | None:
         """curves.png of the run that just ended (None when it wrote no metrics line: nothing to draw)."""
-        from ddpkit.metrics import read_metrics
+        from ddpkit.train.metrics import read_metrics
 
         if self._imports.is_alive():
             self._imports.join()

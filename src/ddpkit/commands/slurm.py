@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
+from ddpkit.commands.jobs import DEFAULT_NAME, add_shape_flags, check_name, check_shape
 from ddpkit.config import Config, to_yaml
 from ddpkit.errors import Preempted, UserError
 

@@ -19,9 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit import data, optim, startup
-from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model, to_device
-from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit import data
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
     all_reduce_sum,
@@ -30,14 +28,17 @@ from ddpkit.distributed.collectives import (
     gather_object,
     is_dist,
 )
-from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
-from ddpkit.rundir import RunDir
-from ddpkit.train_state import TrainState
+from ddpkit.train import optim, startup
+from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model, to_device
+from ddpkit.train.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit.train.health import Heartbeat, explain_comm_failures
+from ddpkit.train.metrics import RunLog, read_metrics
+from ddpkit.train.rundir import RunDir
+from ddpkit.train.stop import NonFiniteLoss, StopAgreement
+from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_samples")
 
@@ -331,7 +332,7 @@ class Trainer:
             self.log.info(
                 f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
             )
-        from ddpkit import report
+        from ddpkit.commands import report
 
         if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
             if read_metrics(self.cfg.out_dir):
