@@ -38,3 +38,25 @@ def test_no_module_lists_strategy_names_instead_of_asking_the_registry():
         if pattern.search(p.read_text()) and "strategy.py" not in p.name
     ]
     assert offenders == []
+
+
+def test_a_moved_module_is_importable_by_its_old_name_as_the_same_module():
+    import importlib
+
+    from ddpkit._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (SRC.parent / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new, f"{old}: the module keeps its own spec"
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    folders = {p.parent for p in _sources()}
+    crowded = {
+        f.relative_to(SRC).as_posix() or ".": n
+        for f in folders
+        if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 12
+    }
+    assert crowded == {}
