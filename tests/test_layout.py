@@ -60,3 +60,11 @@ def test_no_folder_holds_more_than_twelve_modules():
         if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 12
     }
     assert crowded == {}
+
+
+def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    section = doc.split("## The folders\n", 1)[1].split("\n## ", 1)[0]
+    mapped = re.findall(r"^\| `([\w/]+/)` \|", section, flags=re.M)
+    folders = {"ddpkit/"} | {p.parent.relative_to(SRC).as_posix() + "/" for p in SRC.rglob("*/__init__.py")}
+    assert sorted(mapped) == sorted(folders)
