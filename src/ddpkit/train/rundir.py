@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
 from ddpkit.errors import Failure, UserError, describe_os_error
-from ddpkit.train.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
 from ddpkit.train.runlock import RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true

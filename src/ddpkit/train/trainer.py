@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ddpkit import config as config_mod
 from ddpkit import data
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
     all_reduce_sum,
@@ -33,7 +34,6 @@ from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.train import optim, startup
 from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model, to_device
-from ddpkit.train.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.metrics import RunLog, read_metrics
 from ddpkit.train.rundir import RunDir
