@@ -32,6 +32,8 @@ MOVED: dict[str, str] = {
         for m in ("trainer", "builders", "optim", "train_state", "rundir", "runlock", "metrics")
     },
     "ddpkit.startup": _T + "startup",
+    "ddpkit.memory": _T + "memory",
+    "ddpkit.tasks": _T + "tasks",
     "ddpkit.sharded": "ddpkit.checkpoint.sharded",
     "ddpkit.dcp_io": "ddpkit.checkpoint.dcp_io",
     "ddpkit.state": "ddpkit.porting.state",

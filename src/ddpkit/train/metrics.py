@@ -27,29 +27,41 @@ METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what
     "val_loss",
     "val_acc1",
     "val_acc5",
+    "val_ppl",
     "val_samples",
     "epoch_time_s",
     "train_images_per_s",
+    "train_tokens_per_s",
     "skipped_samples",
 )
 
 
 class RunningSums:
-    """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once."""
+    """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once.
 
-    def __init__(self, device: torch.device):
+    The count is of samples (classification) or of tokens (a language model, `accuracy=False`: no accuracy).
+    """
+
+    def __init__(self, device: torch.device, accuracy: bool = True):
         self.t = torch.zeros(3, dtype=torch.float64, device=device)
+        self.accuracy = accuracy
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
-        n = target.shape[0]
+        """A classification batch: its mean loss, logits (N, classes) and labels."""
+        self.count(loss, (logits.detach().argmax(dim=1) == target).sum(), target.shape[0])
+
+    def count(self, loss: torch.Tensor, correct: torch.Tensor | int, n: int) -> None:
+        """A batch of `n` counted units with mean loss `loss`, `correct` of them right."""
         self.t[0] += loss.detach().double() * n
-        self.t[1] += (logits.detach().argmax(dim=1) == target).sum()
+        self.t[1] += correct
         self.t[2] += n
 
-    def local(self) -> tuple[float, float, int]:
-        """(mean loss, accuracy, count) of this rank so far; one host sync."""
+    def local(self) -> tuple[float, float | None, int]:
+        """(mean loss, accuracy or None, count) of this rank so far; one host sync."""
         loss, correct, n = self.t.tolist()
-        return (loss / n, correct / n, int(n)) if n else (math.nan, math.nan, 0)
+        if not n:
+            return math.nan, math.nan if self.accuracy else None, 0
+        return loss / n, correct / n if self.accuracy else None, int(n)
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -167,12 +179,14 @@ class RunLog:
             self._console(lambda: bar.update(1))
             if sums is not None and step_in_epoch % every == 0:
                 loss, acc, _ = sums.local()
-                self._console(lambda: bar.set_postfix(loss=f"{loss:.3f}", acc=f"{100 * acc:.2f}%"))
+                shown = {"loss": f"{loss:.3f}"} | ({"acc": f"{100 * acc:.2f}%"} if acc is not None else {})
+                self._console(lambda: bar.set_postfix(**shown))
         elif sums is not None and (step_in_epoch % every == 0 or step_in_epoch == steps):
             loss, acc, _ = sums.local()
             w = len(str(steps))
             self.info(
-                f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f} | acc: {100 * acc:.3f}%"
+                f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f}"
+                + (f" | acc: {100 * acc:.3f}%" if acc is not None else "")
             )
 
     def epoch_end(self) -> None:
