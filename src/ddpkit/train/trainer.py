@@ -30,10 +30,11 @@ from ddpkit.distributed.collectives import (
     is_dist,
 )
 from ddpkit.distributed.runtime import DistContext
+from ddpkit.launcher import startup
 from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
-from ddpkit.train import optim, startup
+from ddpkit.train import optim
 from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model, to_device
 from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.memory import MemoryProbe
