@@ -3,7 +3,7 @@ interleaved 1F1B), dp2 x pp2 and tp2 x pp2 ends with the full weights of the sin
 global batch (6 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2, pp_split=...)` on a
 user's own small transformer the same; the settings a pipeline cannot run with are one error line each.
 
-Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, five 2- and 4-process runs
+Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, six 2- and 4-process runs
 of a 4-block GPT on a 4 KB text file, one 2-process prepare() run, one refused command); the rest runs
 in-process in well under a second each. Measured: 395 s at load average 17 (other suites running).
 """
@@ -82,6 +82,8 @@ LAYOUTS = {
     "pp2-1f1b": (2, ["dist.pp=2", "dist.pp_schedule=1f1b"], GLOBAL_BATCH),
     "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=interleaved_1f1b"], GLOBAL_BATCH),
     "dp2xpp2": (4, ["dist.pp=2"], GLOBAL_BATCH // 2),
+    # GPipe's forwards before backwards are what DDP around a stage needs find_unused_parameters for
+    "dp2xpp2-gpipe": (4, ["dist.pp=2", "dist.pp_schedule=gpipe"], GLOBAL_BATCH // 2),
 }
 
 
