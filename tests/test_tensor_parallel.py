@@ -176,8 +176,8 @@ def _prepared_run(rank, world_size, make, options):
     import torch
 
     import ddpkit
-    from ddpkit.parallel.activation import checkpoint_blocks
     from ddpkit.parallel.mesh import layout_of
+    from ddpkit.parallel.mesh.activation import checkpoint_blocks
 
     options = dict(options)
     checkpointed = options.pop("checkpointing", False)
@@ -208,7 +208,7 @@ def _assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
 
 
 def _layouts_on_two(rank, world_size):
-    from ddpkit.parallel.tensor import gpt_plan
+    from ddpkit.parallel.mesh.tensor import gpt_plan
 
     return {
         "tp2": _prepared_run(rank, world_size, _gpt, {"tp": 2}),

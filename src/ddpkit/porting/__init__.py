@@ -185,7 +185,7 @@ def prepare(
             model = _sync_bn(model, ctx.device)
         before = list(model.parameters())
         if mesh is not None:
-            from ddpkit.parallel.tensor import apply_tensor_parallel
+            from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
             apply_tensor_parallel(model, mesh["tp"], tp_plan)
         out[id(models[0])] = chosen.wrap(model)

@@ -252,7 +252,7 @@ class Trainer:
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         if self.layout.tp > 1:  # gradients on several meshes: torch's clip cannot mix them
-            from ddpkit.parallel.tensor import clip_grad_norm_
+            from ddpkit.parallel.mesh.tensor import clip_grad_norm_
 
             clip_grad_norm_(self.model.parameters(), max_norm)
         else:

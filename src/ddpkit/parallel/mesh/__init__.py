@@ -1,4 +1,5 @@
-"""One device mesh for every parallel layout: pipeline x data x tensor.
+"""One device mesh for every parallel layout: pipeline x data x tensor; the modules beside it split the model
+itself over the mesh (`tensor`: tensor parallelism; `activation`: activation checkpointing).
 
 The ranks form a (pp, dp, tp) grid, tensor-parallel peers next to each other (rank = (pp_i * dp + dp_j) * tp +
 tp_k), so a tensor-parallel group sits on one node whenever tp divides the processes per node. The data-parallel
