@@ -19,7 +19,7 @@ from typing import TypeVar
 from ddpkit.atomicio import TEMP_RE
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
 from ddpkit.errors import Failure, UserError, describe_os_error
-from ddpkit.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
+from ddpkit.train.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true
 RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png")
@@ -170,7 +170,7 @@ class Earlier:
 
 def inspect(out_dir: str | os.PathLike) -> Earlier:
     """What out_dir holds of an earlier run (reads only)."""
-    from ddpkit.metrics import read_metrics
+    from ddpkit.train.metrics import read_metrics
 
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
