@@ -97,6 +97,8 @@ def test_ddpkit_train_under_a_pipeline_equals_the_single_process_run(layout, ref
     assert run["row"]["val_loss"] == pytest.approx(reference["row"]["val_loss"], rel=1e-4)
     assert run["row"]["train_loss"] == pytest.approx(reference["row"]["train_loss"], rel=1e-4)
     assert f"global batch {GLOBAL_BATCH} " in run["log"]
+    # rank 0 holds its stages only: at most 0.8 of the whole model's parameter bytes (the bound)
+    assert run["row"]["param_bytes_per_rank"] <= 0.8 * reference["row"]["param_bytes_per_rank"]
 
 
 # ---------------------------------------------------------------------------- a user's model through prepare
