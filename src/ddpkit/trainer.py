@@ -35,6 +35,7 @@ from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.metrics_schema import make_row
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
@@ -56,6 +57,7 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.resumed_after: int | None = None  # finished epochs of the checkpoint this run continued from
         self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(
@@ -278,6 +280,7 @@ class Trainer:
         # train.max_steps also keeps that epoch's line, unless training goes on (the line comes again, whole).
         ended_here = row is not None and not self._more_to_train()
         self.log.reconcile_metrics(int(row["epoch"]) if ended_here else self.state.epoch, row)
+        self.resumed_after = self.state.epoch
         self.log.info(f"resumed from {path} ({self.state.describe()})")
 
     def _hook_states(self) -> dict[str, Any]:
@@ -310,24 +313,28 @@ class Trainer:
     ) -> dict:
         loss, acc1, units = train
         units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
-        return {
-            "epoch": epoch,
-            "step": self.state.step,
-            "world_size": self.ctx.world_size,
-            "global_batch_size": self.global_batch,
-            "lr": self.optimizer.param_groups[0]["lr"],
+        return make_row(
+            epoch=epoch,
+            step=self.state.step,
+            world_size=self.ctx.world_size,
+            global_batch_size=self.global_batch,
+            lr=self.optimizer.param_groups[0]["lr"],
             **self.task.train_fields(loss, acc1, units, elapsed),
             **val,
-            "epoch_time_s": round(elapsed, 4),
-            "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            epoch_time_s=round(elapsed, 4),
+            skipped_samples=data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
             **self._first_line_only(),
-        }
+        )
 
     def _first_line_only(self) -> dict[str, float]:
-        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        """The start-up, device and memory fields (and where a resumed run resumed) for this process's first
+        metrics line, nothing for the others."""
         fields = self.startup or {}
         if fields:
             self.startup = {}
+            fields = {**fields, "backend": str(self.ctx.backend), "device": self.device.type}
+        if self.resumed_after is not None:
+            fields["resumed_after"], self.resumed_after = self.resumed_after, None
         return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
