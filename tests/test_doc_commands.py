@@ -127,6 +127,16 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
+    "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
+        "tests/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
+    ),
+    "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
+        "tests/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
+    ),
+    "ddpkit report runs/text_gpt --out text_gpt.png": (
+        "tests/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
+    ),
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.
