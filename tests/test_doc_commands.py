@@ -137,6 +137,17 @@ COVERED = {
     "ddpkit report runs/text_gpt --out text_gpt.png": (
         "tests/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
     ),
+    # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
+        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
+    ),
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": (
+        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
+    ),
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
+    "--nproc-per-node 2": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.

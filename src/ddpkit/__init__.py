@@ -23,7 +23,7 @@ _LAZY = {
     "distributed_loader": "ddpkit.data",
     "GlobalOrderSampler": "ddpkit.data",
     "ExactEvalSampler": "ddpkit.data",
-    "evaluate": "ddpkit.trainer",
+    "evaluate": "ddpkit.evaluation",
     "eval_loader": "ddpkit.data",
     "prepare": "ddpkit.porting",
     "unwrap": "ddpkit.porting",

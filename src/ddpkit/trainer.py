@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
@@ -24,18 +23,18 @@ from ddpkit.builders import load_weights, make_autocast, make_datasets, make_mod
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
-    all_reduce_sum,
     barrier,
     broadcast_object,
     gather_object,
-    is_dist,
 )
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.evaluation import evaluate
 from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
 from ddpkit.metrics_schema import make_row
+from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
@@ -76,24 +75,23 @@ class Trainer:
 
     def build(self) -> None:
         """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
-        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
-        self.strategy = build_strategy(
-            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
-        )
-        self.wrapped = self.strategy.wrap(self.model)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
+        self.autocast = make_autocast(self.device, cfg.train.amp)
+        replica, self.replicas = self._build_model()
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
         self.train_loader, self.val_loader = data.build_loaders(
-            cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
+            cfg, replica, self.replicas, self.train_set, self.val_set
         )
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
-        self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
+        self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
         self.total_steps = optim.total_steps(cfg.train.epochs, self.steps_per_epoch, cfg.train.max_steps)
         self.optimizer = self.strategy.build_optimizer(
@@ -101,10 +99,25 @@ class Trainer:
         )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
-        self.autocast = make_autocast(self.device, cfg.train.amp)
         startup.mark("model")
+
+    def _build_model(self) -> tuple[int, int]:
+        """The model, the strategy and the wrapped model; returns (this rank's data-parallel replica, replicas):
+        what the loaders shard by (under a pipeline the ranks of one pipeline read the same samples)."""
+        cfg, ctx = self.cfg, self.ctx
+        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        self.pipeline = None
+        if cfg.dist.pp > 1:
+            shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
+            self.pipeline = pipeline_trainer.build(cfg, ctx, self.model, self.task, self.autocast, shape)
+            self.model, self.strategy = self.pipeline.modules, pipeline_trainer.Strategy(ctx, self.pipeline)
+            self.wrapped = self.model
+            return self.pipeline.coords["dp"], self.pipeline.layout.dp
+        self.strategy = build_strategy(
+            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+        )
+        self.wrapped = self.strategy.wrap(self.model)
+        return ctx.rank, ctx.world_size
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -173,6 +186,30 @@ class Trainer:
 
     def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
+        if self.pipeline is not None:
+            pipeline_trainer.forward_backward(self, micro_batches)
+        else:
+            self._forward_backward(micro_batches)
+        if self.nonfinite.skip_step(self.state.step + 1):
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.memory.before_step(self.model)
+            if self.cfg.train.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                # a pipeline's norm is over every stage's gradients
+                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_local
+                clip(self.cfg.train.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.state.step += 1
+
+    def _clip_local(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
         self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
@@ -185,23 +222,12 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
-        if self.nonfinite.skip_step(self.state.step + 1):
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.memory.before_step(self.model)
-            if self.cfg.train.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.memory.after_step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-        self.state.step += 1
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
+        if self.pipeline is not None:
+            return pipeline_trainer.evaluate(self)
         return evaluate(
             self.strategy.eval_module(self.wrapped),
             self.val_loader,
@@ -300,11 +326,12 @@ class Trainer:
         return epoch % every == 0 or epoch == last or self.state.step >= self.total_steps
 
     def _banner(self) -> str:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx, d = self.cfg, self.ctx, self.cfg.dist
+        pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if self.pipeline is not None else ""
         return (
             f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
+            f"strategy {self.strategy.name}{pipe}, global batch {self.global_batch} "
+            f"({cfg.train.batch_size} x {self.replicas} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
 
@@ -373,56 +400,6 @@ class Trainer:
             self.run_dir.close()
             if self._own_heartbeat:
                 self.heartbeat.close()
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader,
-    device: torch.device,
-    criterion: nn.Module | None = None,
-    autocast=contextlib.nullcontext,
-    collective_forward: bool = False,
-    channels_last: bool = False,
-    task: Task | None = None,
-) -> dict[str, Any]:
-    """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
-    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`."""
-    from ddpkit.tasks import EVAL_WIDTH, Classification
-
-    task = task or Classification(criterion)
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(EVAL_WIDTH, dtype=torch.float64, device=device)
-    batches = iter(loader)
-    n_local = n_max = len(loader)
-    if collective_forward and is_dist():
-        t = torch.tensor([n_local], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_max = int(t.item())
-    dummy = None
-    for i in range(n_max):
-        if i >= n_local:  # a rank with a shorter shard still joins the collective forward (fsdp)
-            model(dummy if dummy is not None else _dummy_input(loader, device))
-            continue
-        x, y = to_device(*next(batches), device, channels_last)
-        dummy = x[:1] if len(x) else dummy
-        with autocast():
-            logits = model(x).float()
-        if not len(y):  # every sample of the batch was undecodable and left out (data.skip_corrupt)
-            continue
-        sums += task.eval_sums(logits, y)
-    model.train(was_training)
-    return task.val_fields(all_reduce_sum(sums).tolist())
-
-
-def _dummy_input(loader, device: torch.device) -> torch.Tensor:
-    ds = loader.dataset
-    x, _ = ds.first_decodable() if isinstance(ds, data.CheckedSamples) and ds.skip else ds[0]
-    return x.unsqueeze(0).to(device)
 
 
 __all__ = ["Trainer", "evaluate"]

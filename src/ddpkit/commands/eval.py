@@ -17,7 +17,7 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     from ddpkit import data
     from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model
     from ddpkit.tasks import task_for
-    from ddpkit.trainer import evaluate
+    from ddpkit.evaluation import evaluate
 
     path = cfg.checkpoint.path
     if not path:
