@@ -74,6 +74,9 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 COVERED = {
+    "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
+        "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
+    ),
     # with train.max_steps=3, sgd at a constant lr and the global batch of the single-process reference
     "ddpkit train dist.strategy=fsdp checkpoint.format=sharded --nproc-per-node 2": (
         "tests/test_sharded_checkpoint.py::test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights"
@@ -187,6 +190,7 @@ PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
     "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
+    "stuck.py": "tests/scripts/stuck_rank.py",  # reliability.md: the straggler test runs it as stuck.py
     "R": "0",
     "$RANK": "1",
     "$MASTER_ADDR": "10.0.0.1",

@@ -115,6 +115,25 @@ def test_fsdp_sharded_checkpoint_continues_on_two_processes_under_zero1(fsdp_at_
     assert state["step"] == 6 and state["world_size"] == 2 and "model" not in state
 
 
+@pytest.fixture(scope="module")
+def pp_at_3(tmp_path_factory, text) -> Path:
+    """2 pipeline stages (pp2), stopped at step 3 with a full checkpoint (.pt, stages merged)."""
+    out = tmp_path_factory.mktemp("pp2") / "run"
+    train(out, text, 2, "dist.pp=2", "train.max_steps=3", dp=1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_pp2_full_checkpoint_continues_under_ddp_and_on_one_process_to_the_unbroken_weights(
+    pp_at_3, unbroken, text, tmp_path, nproc
+):
+    out = _copy(pp_at_3, tmp_path)
+    proc = train(out, text, nproc, "train.max_steps=6")  # dist.strategy=auto: ddp on 2 processes
+    assert f"resumed from {out / 'checkpoints' / 'last.pt'}" in proc.stdout
+    assert_close(weights(out), unbroken)
+
+
 @pytest.mark.slow
 def test_eval_scores_a_sharded_checkpoint(fsdp_at_3):
     proc = run_cli("eval", f"checkpoint.path={fsdp_at_3 / 'checkpoints' / 'last.dcp'}")
@@ -200,7 +219,7 @@ def test_a_save_killed_between_its_renames_or_half_way_leaves_the_previous_last(
     _save(ckpts, 1)
     # killed after moving the old last.dcp aside, before the new one took its name
     os.rename(ckpts.last, ckpts.dir / ".last.dcp.prev")
-    (ckpts.dir / ".last.dcp.x1y2.tmp").mkdir()  # ... and a half-written one
+    (ckpts.dir / ".last.dcp.x1y2z3w4.tmp").mkdir()  # ... and a half-written one (as mkdtemp names it)
     path, state = ckpts.newest_complete()
     assert path.name == ".last.dcp.prev" and state["epoch"] == 1
     ckpts.sweep()

@@ -50,16 +50,13 @@ class RunningSums:
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every epoch line of out_dir/metrics.jsonl (skipping a torn last line)."""
-    path = Path(out_dir) / "metrics.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
+    from ddpkit.metrics_file import read_lines
+
+    try:
+        return read_lines(Path(out_dir) / "metrics.jsonl").rows
+    except (OSError, ValueError):
+        return []
 
 
 def silence_stdout() -> None:
@@ -70,6 +67,13 @@ def silence_stdout() -> None:
         os.close(fd)
     except (OSError, ValueError):
         pass
+
+
+def append_own(path: Path) -> TextIO:
+    """Open one of ddpkit's own text files for appending, never through a symlink (atomicio.open_own)."""
+    from ddpkit.atomicio import open_own
+
+    return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -107,7 +111,7 @@ class RunLog:
             return
         path = self.out_dir / "log.txt"
         with naming(path):
-            self._log = open(path, "a", encoding="utf-8")
+            self._log = append_own(path)
             self._log.writelines(self._early)
             self._log.flush()
         self._early = []
@@ -184,7 +188,7 @@ class RunLog:
         if not self.active:
             return
         path = self.out_dir / "metrics.jsonl"
-        with naming(path), open(path, "a", encoding="utf-8") as fh:
+        with naming(path), append_own(path) as fh:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -10,6 +10,8 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.outputs import MARKER
+
 if TYPE_CHECKING:
     from ddpkit.report import Run
 
@@ -93,7 +95,7 @@ def png_bytes(fig) -> bytes:
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=FIG_DPI)
+    fig.savefig(buf, format="png", dpi=FIG_DPI, metadata={"Software": f"{MARKER} (matplotlib)"})
     return buf.getvalue()
 
 
@@ -111,7 +113,7 @@ def html_page(png: bytes, head: list[str], body: list[list[str]], runs: list[Run
         "td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}img{max-width:100%}"
     )
     return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
+        f'<!DOCTYPE html>\n<!-- {MARKER} report -->\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
         f"<style>{style}</style></head><body><h1>ddpkit report</h1>"
         f'<img alt="training curves" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
         f"<h2>Runs</h2><table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"

@@ -99,6 +99,11 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
             "offload applies to fsdp and zero2, not to pipelines",
         ),
         (
+            cfg.model.sync_bn,
+            "model.sync_bn=true",
+            "drop it: the stages hold different BatchNorm layers, there is nothing to synchronise across them",
+        ),
+        (
             cfg.model.compile,
             "model.compile=true",
             "drop it: stages run eagerly under the pipeline schedules",
