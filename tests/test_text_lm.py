@@ -15,11 +15,15 @@ import pytest
 import torch
 
 from conftest import REPO, assert_user_error, run_cli, run_group
-from ddpkit import data, memory, metrics_schema, models, report, report_figure
+from ddpkit import data, models
+from ddpkit.commands import report
+from ddpkit.commands.report import drawing
 from ddpkit.config import load_config
 from ddpkit.data import text
 from ddpkit.errors import UserError
-from ddpkit.metrics import read_metrics
+from ddpkit.train import memory
+from ddpkit.train import metrics_file as metrics_schema
+from ddpkit.train.metrics import read_metrics
 
 # a tiny GPT on the first 40 kB of the standard library's sources: a few steps, well under a second each
 TINY = [
@@ -186,7 +190,7 @@ def test_report_shows_a_language_models_loss_perplexity_and_tokens(doc_run, tmp_
     assert summary["final_val_ppl"] == rows[-1]["val_ppl"] and summary["series"]["val_ppl"] == [
         r["val_ppl"] for r in rows
     ]
-    assert [name for name, _ in report_figure.panels([run])][1::2] == ["val perplexity", "training tokens/s"]
+    assert [name for name, _ in drawing.panels([run])][1::2] == ["val perplexity", "training tokens/s"]
 
 
 def test_bench_measures_a_language_models_tokens_per_second(tmp_path):

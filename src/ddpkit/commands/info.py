@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpkit.distributed import netif
+from ddpkit.cluster import netif
 from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import DistContext, hostname
 

@@ -227,13 +227,13 @@ class Strategy:
 
     def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         """(this rank's tensors for a sharded checkpoint, the non-tensor optimizer entries). Collective."""
-        from ddpkit import sharded
+        from ddpkit.checkpoint import sharded
 
         return sharded.state_tensors(self.unwrap(wrapped), optimizer)
 
     def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
         """A sharded checkpoint folder, written under any layout and world size, into this one. Collective."""
-        from ddpkit import sharded
+        from ddpkit.checkpoint import sharded
 
         sharded.load(path, self.unwrap(wrapped), optimizer, side)
 

@@ -64,7 +64,7 @@ def load_weights(
 ) -> None:
     """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
     tensors read by every rank); one UserError when it does not fit. Collective."""
-    from ddpkit.sharded import is_sharded
+    from ddpkit.checkpoint.sharded import is_sharded
 
     try:
         if is_sharded(path):

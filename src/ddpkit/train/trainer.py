@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit import data, optim, startup
-from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model, to_device
+from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
@@ -27,19 +26,21 @@ from ddpkit.distributed.collectives import (
     broadcast_object,
     gather_object,
 )
-from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.evaluation import evaluate
-from ddpkit.memory import MemoryProbe
-from ddpkit.metrics import RunLog, read_metrics
-from ddpkit.metrics_schema import make_row
+from ddpkit.launcher import startup
 from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
-from ddpkit.rundir import RunDir
-from ddpkit.tasks import Task, task_for
-from ddpkit.train_state import TrainState
+from ddpkit.train import optim
+from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model, to_device
+from ddpkit.train.health import Heartbeat, explain_comm_failures
+from ddpkit.train.memory import MemoryProbe
+from ddpkit.train.metrics import RunLog, read_metrics
+from ddpkit.train.metrics_file import make_row
+from ddpkit.train.rundir import RunDir
+from ddpkit.train.stop import NonFiniteLoss, StopAgreement
+from ddpkit.train.tasks import Task, evaluate, task_for
+from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
 
@@ -384,7 +385,7 @@ class Trainer:
                 f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
                 f"on {last['val_samples']} samples"
             )
-        from ddpkit import report
+        from ddpkit.commands import report
 
         if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
             if read_metrics(self.cfg.out_dir):

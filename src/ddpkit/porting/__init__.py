@@ -33,7 +33,7 @@ def _context() -> DistContext:
 
 
 def _sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
-    from ddpkit.distributed.sync_bn import convert_gloo_sync_batchnorm
+    from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -4,7 +4,7 @@ A run is read from its out_dir: metrics.jsonl, the only source of its numbers (o
 an epoch appears twice the later line wins; a line's `resumed_after` field, or an epoch number that goes
 backwards, marks a resume) and config.yaml (the resolved config; what differs between runs names them in the
 legend). Language-model runs are tabulated by their validation loss, perplexity and tokens/s. matplotlib is
-imported only when a picture is drawn (report_figure.py).
+imported only when a picture is drawn (report/drawing.py).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit import channels, report_figure
+from ddpkit import channels
+from ddpkit.commands.outputs import add_force_flag, check_output
+from ddpkit.commands.report import drawing
+from ddpkit.commands.report.drawing import figure, finite, html_page, is_language_model, png_bytes
 from ddpkit.errors import UserError
-from ddpkit.metrics_schema import NUMERIC
-from ddpkit.outputs import add_force_flag, check_output
 from ddpkit.parallel.strategy import resolve_strategy
-from ddpkit.report_figure import figure, finite, html_page, is_language_model, png_bytes
+from ddpkit.train.metrics_file import NUMERIC
 
-FIG_SIZE_IN, FIG_DPI = report_figure.FIG_SIZE_IN, report_figure.FIG_DPI  # the picture's size, named here too
+FIG_SIZE_IN, FIG_DPI = drawing.FIG_SIZE_IN, drawing.FIG_DPI  # the picture's size, named here too
 
 __all__ = ["check_output"]  # bench's outputs are checked the same way
 
@@ -65,7 +66,7 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
     says so in `resumed_after`, or where the numbering went back).
     Lines that are not ddpkit's epoch lines (foreign, damaged, a non-number where a number goes) are skipped
     and counted in one warning through `warn`."""
-    from ddpkit.metrics_file import read_lines
+    from ddpkit.train.metrics_file import read_lines
 
     try:
         lines = read_lines(path)
@@ -340,7 +341,7 @@ class LauncherCurves:
 
     def draw(self) -> Path | None:
         """curves.png of the run that just ended (None when it wrote no metrics line: nothing to draw)."""
-        from ddpkit.metrics import read_metrics
+        from ddpkit.train.metrics import read_metrics
 
         if self._imports.is_alive():
             self._imports.join()

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, derive_seed, seed_everything
-from ddpkit.metrics import RunningSums
-from ddpkit.rng import rng_state, set_rng_state
+from ddpkit.porting.rng import rng_state, set_rng_state
+from ddpkit.train.metrics import RunningSums
 
 if TYPE_CHECKING:
     from ddpkit.data import DistributedLoader

@@ -10,10 +10,10 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.outputs import MARKER
+from ddpkit.commands.outputs import MARKER
 
 if TYPE_CHECKING:
-    from ddpkit.report import Run
+    from ddpkit.commands.report import Run
 
 FIG_SIZE_IN = (12.0, 8.0)
 FIG_DPI = 100  # so a report PNG is 1200 x 800 pixels

@@ -16,9 +16,9 @@ from typing import Any, TextIO
 
 import torch
 
-from ddpkit.metrics_schema import EVERY_LINE
+from ddpkit.train.metrics_file import EVERY_LINE
 
-METRIC_KEYS = EVERY_LINE  # every metrics.jsonl line has these (metrics_schema.FIELDS says what each holds)
+METRIC_KEYS = EVERY_LINE  # every metrics.jsonl line has these (metrics_file.FIELDS says what each holds)
 
 
 class RunningSums:
@@ -51,7 +51,7 @@ class RunningSums:
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
-    from ddpkit.metrics_file import read_lines
+    from ddpkit.train.metrics_file import read_lines
 
     try:
         return read_lines(Path(out_dir) / "metrics.jsonl").rows
