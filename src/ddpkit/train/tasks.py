@@ -167,9 +167,13 @@ def evaluate(
     collective_forward: bool = False,
     channels_last: bool = False,
     task: Task | None = None,
+    counts: bool = True,
 ) -> dict[str, Any]:
     """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
-    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`."""
+    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`.
+
+    `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
+    peers): they run every forward but add nothing."""
     from ddpkit.distributed.collectives import all_reduce_sum, is_dist
     from ddpkit.train.builders import to_device
 
@@ -196,7 +200,7 @@ def evaluate(
             continue
         sums += task.eval_sums(logits, y)
     model.train(was_training)
-    return task.val_fields(all_reduce_sum(sums).tolist())
+    return task.val_fields(all_reduce_sum(sums if counts else torch.zeros_like(sums)).tolist())
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:
