@@ -367,7 +367,7 @@ print(json.dumps({"line": out, "peak_mb": mb, "torch": "torch" in sys.modules, "
 def _load_in_fresh_process(path) -> dict:
     """load_config(path) in a fresh interpreter that imports only ddpkit.config (not the package, not torch)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(Path(ddpkit.config.__file__).parents[1]), str(path)],
+        [sys.executable, "-c", _MEASURE, str(Path(ddpkit.config.__file__).parents[2]), str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -38,6 +38,8 @@ MOVED: dict[str, str] = {
     "ddpkit.cluster.slurm": "ddpkit.commands.slurm",
     "ddpkit.cluster.k8s": "ddpkit.commands.k8s",
     "ddpkit.cluster.common": "ddpkit.commands.jobs",
+    "ddpkit.config_schema": "ddpkit.config.schema",
+    "ddpkit.config_yaml": "ddpkit.config.safe_yaml",
 }
 
 
