@@ -59,7 +59,7 @@ def test_no_folder_holds_more_than_twelve_modules():
         for f in folders
         if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 12
     }
-    assert crowded == {}
+    assert crowded == {}, "move modules into a subsystem folder, or make a new one (docs/architecture.md)"
 
 
 def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists():
@@ -68,3 +68,25 @@ def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists()
     mapped = re.findall(r"^\| `([\w/]+/)` \|", section, flags=re.M)
     folders = {"ddpkit/"} | {p.parent.relative_to(SRC).as_posix() + "/" for p in SRC.rglob("*/__init__.py")}
     assert sorted(mapped) == sorted(folders)
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 60
+# Over the limits, and being changed elsewhere right now: split once those changes are in.
+PENDING_SPLIT = {"launcher/launch.py", "commands/report.py"}
+
+
+def test_no_module_over_450_lines_and_no_function_over_60():
+    import ast
+
+    over = []
+    for path in _sources():
+        name, text = path.relative_to(SRC).as_posix(), path.read_text()
+        if name in PENDING_SPLIT:
+            continue
+        if (n := len(text.splitlines())) > MAX_FILE_LINES:
+            over.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    over.append(f"{name}: {node.name}() {n} lines")
+    assert over == [], "split these (one concern per module, docs/architecture.md)"
