@@ -387,6 +387,12 @@ def test_every_make_line_is_a_target_of_the_makefile(command):
         ["make", "--no-print-directory", "-n", *command.split()[1:]], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+    # the dry run prints the target's own recipe: each of its words that names no make variable
+    makefile = (REPO / "Makefile").read_text()
+    for target in command.split()[1:]:
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        words = {w for line in recipe for w in line.split() if "$" not in w}
+        assert recipe and words <= set(proc.stdout.split()), (target, words - set(proc.stdout.split()))
 
 
 @pytest.mark.slow
