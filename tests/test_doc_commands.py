@@ -75,25 +75,25 @@ RUN = {
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 COVERED = {
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
-    "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
-    "ddpkit comm --nproc-per-node 2": "tests/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
-    "ddpkit bench --nproc 1,2": "tests/test_bench.py::test_bench_one_and_two_processes",
+    "ddpkit info --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit comm --nproc-per-node 2": "tests/diagnostics/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
+    "ddpkit bench --nproc 1,2": "tests/commands/test_bench.py::test_bench_one_and_two_processes",
     # the same flags (--steps, --json, --out) on 1,2 processes: 4 CPU processes on 2 cores prove nothing more
     "ddpkit bench --nproc 1,2,4 --steps 20 --json bench.json --out bench.png": (
-        "tests/test_bench.py::test_bench_one_and_two_processes"
+        "tests/commands/test_bench.py::test_bench_one_and_two_processes"
     ),
     # train.py is the user's torchrun-style script: the tests use the tutorial's, tests/scripts/torchrun_ddp.py
     "ddpkit run --nproc-per-node 2 train.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 train.py --epochs 10": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 --launcher spawn torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "srun -n 2 ddpkit run torchrun_ddp.py --epochs 3": (
         "tests/system/test_run_scripts.py::test_srun_two_tasks_run_a_torchrun_style_script_unchanged"

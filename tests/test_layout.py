@@ -1,4 +1,5 @@
-"""The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists."""
+"""The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists, the
+folders, the size limits, the tests mirroring the package. Budget: 5 s (reads files, starts no process)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,19 @@ def test_no_module_over_450_lines_and_no_function_over_60():
                 if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
                     over.append(f"{name}: {node.name}() {n} lines")
     assert over == [], "split these (one concern per module, docs/architecture.md)"
+
+
+def test_tests_mirror_the_package_and_import_helpers_from_conftest_only():
+    tests = REPO / "tests"
+    package = {p.parent.relative_to(SRC).as_posix() for p in SRC.rglob("*/__init__.py")}
+    folders = {
+        p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("system", "scripts", "__pycache__")
+    }
+    assert folders <= package, folders - package
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    importing = {
+        p.relative_to(tests).as_posix()
+        for p in tests.rglob("*.py")
+        if re.search(r"^\s*(from|import) (" + "|".join(names) + r")\b", p.read_text(), flags=re.M)
+    }
+    assert importing == set(), "a test module imports another: move the helper into tests/conftest.py"

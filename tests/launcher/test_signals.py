@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from conftest import cli_env, finish, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.distributed.signals import worker_pids
 from ddpkit.metrics import read_metrics
-from test_reliability import finish, start, wait_for
 
 # 2 epochs of 179 optimizer steps on 2 ranks: the signal comes once epoch 1 is logged.
 ARGS = ["model.arch=mlp", "data.augment=false", "train.epochs=2", "train.batch_size=4", "train.log_every=50"]
