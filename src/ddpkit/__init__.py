@@ -5,20 +5,21 @@ The public API: what a user's own script calls (docs/porting.md). Every name but
 behind `ddpkit train` (Trainer, Config, DistEnv, the samplers) is imported from its own modules.
 """
 
+# ruff: noqa: F401  (the TYPE_CHECKING imports are for editors: nothing here uses them)
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from ddpkit import _moved
+from ddpkit.distributed import COLLECTIVES as _COLLECTIVE_NAMES  # names only: it loads no torch
 from ddpkit.errors import UserError
 
 __version__ = "0.1.0"
 
 _moved.install()  # modules that moved into the subsystem folders stay importable under their old names
 
-if (
-    TYPE_CHECKING
-):  # what editors and type checkers resolve each lazy name to (the table below, checked by a test)
+# What editors and type checkers resolve each lazy name to: the table below (a test keeps the two equal).
+if TYPE_CHECKING:
     from ddpkit.cluster.env import detect_env
     from ddpkit.data import distributed_loader, eval_loader
     from ddpkit.distributed.collectives import (
@@ -45,29 +46,16 @@ if (
     from ddpkit.train.optim import scaled_lr
 
 _COLLECTIVES = "ddpkit.distributed.collectives"
+_RENAMED = {
+    "gather_object": _COLLECTIVES,
+    "seed_model_init": _COLLECTIVES,
+}  # warn when called (collectives.py)
 _LAZY = {
     "DistContext": "ddpkit.distributed.runtime",
     "init_distributed": "ddpkit.distributed.runtime",
     "shutdown": "ddpkit.distributed.runtime",
     "detect_env": "ddpkit.cluster.env",
-    **dict.fromkeys(
-        (
-            "all_gather_object",
-            "all_reduce_mean",
-            "all_reduce_sum",
-            "barrier",
-            "broadcast_object",
-            "gather",
-            "gather_object_to",
-            "get_rank",
-            "get_world_size",
-            "is_main_process",
-            "rank_zero_first",
-            "seed_everything",
-            "seed_rank",
-        ),
-        _COLLECTIVES,
-    ),
+    **dict.fromkeys((n for n in _COLLECTIVE_NAMES if n not in _RENAMED), _COLLECTIVES),
     "distributed_loader": "ddpkit.data",
     "eval_loader": "ddpkit.data",
     "prepare": "ddpkit.porting",
@@ -82,7 +70,7 @@ _LAZY = {
 }
 
 # Names that are here for one release more. Framework internals: importable from their modules (a
-# DeprecationWarning names the module). gather_object and seed_model_init warn when called (collectives.py).
+# DeprecationWarning names the module).
 _DEPRECATED = {
     "Trainer": "ddpkit.train.trainer",
     "evaluate": "ddpkit.train.trainer",
@@ -93,7 +81,6 @@ _DEPRECATED = {
     "GlobalOrderSampler": "ddpkit.data",
     "ExactEvalSampler": "ddpkit.data",
 }
-_RENAMED = {"gather_object": _COLLECTIVES, "seed_model_init": _COLLECTIVES}
 
 
 def __getattr__(name: str):
@@ -105,7 +92,8 @@ def __getattr__(name: str):
         import warnings
 
         warnings.warn(
-            f"ddpkit.{name} is deprecated and goes in the next release: use `from {_DEPRECATED[name]} import {name}`",
+            f"ddpkit.{name} is deprecated and goes in the next release: "
+            f"use `from {_DEPRECATED[name]} import {name}`",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -113,34 +101,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = [
-    "UserError",
-    "DistContext",
-    "init_distributed",
-    "shutdown",
-    "detect_env",
-    "all_gather_object",
-    "all_reduce_mean",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "gather",
-    "gather_object_to",
-    "get_rank",
-    "get_world_size",
-    "is_main_process",
-    "rank_zero_first",
-    "seed_everything",
-    "seed_rank",
-    "distributed_loader",
-    "eval_loader",
-    "prepare",
-    "unwrap",
-    "launch",
-    "save_state",
-    "load_state",
-    "save_checkpoint",
-    "load_checkpoint",
-    "read_weights",
-    "scaled_lr",
-]  # UserError and the lazy names (a test keeps the two equal)
+__all__ = ["UserError", *_LAZY]

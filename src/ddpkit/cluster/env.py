@@ -7,13 +7,12 @@ entry point), and finally a single process. Nothing here touches torch.distribut
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from ddpkit import _moved
 from ddpkit.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -225,25 +224,22 @@ def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
 
 
 # Names that moved to launchers.py (the detector table) and slurm_env.py, importable from here as before.
-_MOVED = {
-    **dict.fromkeys(
-        (
-            "LauncherDetector",
-            "register_launcher",
-            "launchers",
-            "world_variables",
-            "DETECTOR_ENTRY_POINT_GROUP",
+__getattr__ = _moved.names(
+    __name__,
+    {
+        **dict.fromkeys(
+            (
+                "LauncherDetector",
+                "register_launcher",
+                "launchers",
+                "world_variables",
+                "DETECTOR_ENTRY_POINT_GROUP",
+            ),
+            "ddpkit.cluster.launchers",
         ),
-        "ddpkit.cluster.launchers",
-    ),
-    **dict.fromkeys(
-        ("expand_nodelist", "parse_nodelist", "slurm_port", "slurm_nodelist", "slurm_job_step"),
-        "ddpkit.cluster.slurm_env",
-    ),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'ddpkit.cluster.env' has no attribute {name!r}")
+        **dict.fromkeys(
+            ("expand_nodelist", "parse_nodelist", "slurm_port", "slurm_nodelist", "slurm_job_step"),
+            "ddpkit.cluster.slurm_env",
+        ),
+    },
+)

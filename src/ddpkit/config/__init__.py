@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ddpkit import _moved
 from ddpkit.config.schema import Spec, check_value, opt, section, shown, spec_of
 from ddpkit.errors import UserError
 
@@ -372,11 +373,7 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def __getattr__(name: str) -> Any:
-    """parse_overrides (keys.py) and describe_keys (reference.py), importable from here as before."""
-    import importlib
-
-    where = {"parse_overrides": "keys", "describe_keys": "reference"}
-    if name in where:
-        return getattr(importlib.import_module(f"ddpkit.config.{where[name]}"), name)
-    raise AttributeError(f"module 'ddpkit.config' has no attribute {name!r}")
+# parse_overrides (keys.py) and describe_keys (reference.py), importable from here as before
+__getattr__ = _moved.names(
+    __name__, {"parse_overrides": "ddpkit.config.keys", "describe_keys": "ddpkit.config.reference"}
+)
