@@ -63,8 +63,8 @@ _LAZY = {
     "launch": "ddpkit.launcher.spawn",
     "save_state": "ddpkit.porting.state",
     "load_state": "ddpkit.porting.state",
-    "save_checkpoint": "ddpkit.train.checkpoint",
-    "load_checkpoint": "ddpkit.train.checkpoint",
+    "save_checkpoint": "ddpkit.checkpoint",
+    "load_checkpoint": "ddpkit.checkpoint",
     "read_weights": "ddpkit.models",
     "scaled_lr": "ddpkit.train.optim",
 }

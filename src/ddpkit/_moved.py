@@ -30,9 +30,11 @@ MOVED: dict[str, str] = {
     _D + "health": _T + "health",
     **{
         "ddpkit." + m: _T + m
-        for m in ("trainer", "builders", "optim", "train_state", "checkpoint", "rundir", "runlock", "metrics")
+        for m in ("trainer", "builders", "optim", "train_state", "rundir", "runlock", "metrics")
     },
     "ddpkit.startup": _T + "startup",
+    "ddpkit.sharded": "ddpkit.checkpoint.sharded",
+    "ddpkit.dcp_io": "ddpkit.checkpoint.dcp_io",
     "ddpkit.state": "ddpkit.porting.state",
     "ddpkit.report": "ddpkit.commands.report",
     "ddpkit.bench": "ddpkit.commands.bench",

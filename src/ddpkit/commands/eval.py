@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
+from ddpkit.checkpoint import load_checkpoint
 from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
 from ddpkit.config import Config, load_config
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy
-from ddpkit.train.checkpoint import load_checkpoint
 
 
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # torch loads when the command runs, not when its flags are p
 def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
     from ddpkit import data, models
-    from ddpkit.train.checkpoint import check_file
+    from ddpkit.checkpoint import check_file
 
     data.check_available(cfg)
     models.check_arch(cfg)

@@ -213,7 +213,7 @@ class RunLog:
         ):
             keep.append(row)
         if keep != rows:
-            from ddpkit.train.checkpoint import save_text
+            from ddpkit.checkpoint import save_text
 
             save_text(self.out_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep))
 
