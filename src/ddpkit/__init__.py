@@ -20,6 +20,7 @@ _moved.install()  # modules that moved into the subsystem folders stay importabl
 
 # What editors and type checkers resolve each lazy name to: the table below (a test keeps the two equal).
 if TYPE_CHECKING:
+    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
     from ddpkit.cluster.env import detect_env
     from ddpkit.data import distributed_loader, eval_loader
     from ddpkit.distributed.collectives import (
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from ddpkit.models import read_weights
     from ddpkit.porting import prepare, unwrap
     from ddpkit.porting.state import load_state, save_state
-    from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint
     from ddpkit.train.optim import scaled_lr
 
 _COLLECTIVES = "ddpkit.distributed.collectives"
