@@ -32,7 +32,15 @@ MOVED: dict[str, str] = {
         "ddpkit." + m: _T + m
         for m in ("trainer", "builders", "optim", "train_state", "rundir", "runlock", "metrics")
     },
-    "ddpkit.startup": _T + "startup",
+    "ddpkit.startup": "ddpkit.launcher.startup",
+    "ddpkit.rng": "ddpkit.porting.rng",
+    _D + "stacks": "ddpkit.diagnostics.stacks",
+    "ddpkit.checkpoint_fields": "ddpkit.checkpoint.fields",
+    "ddpkit.usermodule": "ddpkit.launcher.usermodule",
+    "ddpkit.metrics_file": _T + "metrics_file",
+    "ddpkit.outputs": "ddpkit.commands.outputs",
+    "ddpkit.memory": _T + "memory",
+    "ddpkit.tasks": _T + "tasks",
     "ddpkit.sharded": "ddpkit.checkpoint.sharded",
     "ddpkit.dcp_io": "ddpkit.checkpoint.dcp_io",
     "ddpkit.state": "ddpkit.porting.state",
@@ -43,6 +51,7 @@ MOVED: dict[str, str] = {
     "ddpkit.cluster.common": "ddpkit.commands.jobs",
     "ddpkit.config_schema": "ddpkit.config.schema",
     "ddpkit.config_yaml": "ddpkit.config.safe_yaml",
+    "ddpkit.bounded": "ddpkit.config.bounded",
 }
 
 

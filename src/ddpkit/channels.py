@@ -26,6 +26,7 @@ OVERSUBSCRIBE = "DDPKIT_OVERSUBSCRIBE"
 PROBE_S = "DDPKIT_PROBE_S"
 DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
+JOB_DIR = "DDPKIT_JOB_DIR"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.env",
@@ -46,6 +47,8 @@ CHANNELS: tuple[Channel, ...] = (
             "seconds a rank waits for the master's port to accept a connection (default 30)"),
     Channel(DEBUG, "the user", "launcher.launch, launcher.peers",
             "set: torch's agent and store keep their own log lines"),
+    Channel(JOB_DIR, "diagnostics.stacks (the launcher, while workers run)", "diagnostics.stacks (workers)",
+            "the launcher's job folder: each worker leaves its pid, its SIGUSR2 stack dumps and its error line"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
 )  # fmt: skip

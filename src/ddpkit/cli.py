@@ -131,7 +131,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
-    from ddpkit.launcher import warm_start
+    from ddpkit.launcher import startup, warm_start
     from ddpkit.launcher.launch import (
         launch_elastic,
         launch_spawn,
@@ -139,7 +139,6 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
         spec_from_args,
         worker_argv,
     )
-    from ddpkit.train import startup
 
     spec = spec_from_args(args)
     if spec.starts_workers:
@@ -191,14 +190,17 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
+    from ddpkit.diagnostics import stacks
     from ddpkit.launcher.signals import die_with_launcher
 
     die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
+    stacks.arm()  # SIGUSR2 dumps this process's Python stack
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = run(argv)
     except UserError as e:
-        print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
+        if not stacks.say_error(f"ddpkit: error: {e.line()}"):  # a worker's: its launcher says it once
+            print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
         code = e.exit_code
     except Failure as e:
         if e.report:  # one line for the job: the raiser decided whether this process says it

@@ -14,9 +14,11 @@ def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
     from ddpkit import data, models
     from ddpkit.checkpoint import check_file
+    from ddpkit.parallel.pipeline_plan import check_pipeline
 
     data.check_available(cfg)
     models.check_arch(cfg)
+    check_pipeline(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_file(cfg.checkpoint.resume)
 
@@ -39,7 +41,7 @@ def preload(cfg: Config) -> list[str]:
         "ddpkit.config.safe_yaml",
         "ddpkit.data.builtin",
     ]
-    if cfg.model.arch not in ("cnn", "mlp") or cfg.data.dataset not in ("digits", "synthetic"):
+    if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
         modules.append("torchvision")
     return modules  # not matplotlib: the launcher draws curves.png (in_launcher)
 
