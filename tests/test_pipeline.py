@@ -152,7 +152,14 @@ def test_what_a_pipeline_cannot_run_is_refused_before_workers_start(setting):
 
 def test_the_refusal_is_one_line_from_the_command(tmp_path, text_file):
     proc = run_cli(
-        "train", *TINY, f"data.root={text_file}", "dist.pp=2", "train.amp=fp16", f"out_dir={tmp_path}/r"
+        "train",
+        *TINY,
+        f"data.root={text_file}",
+        "dist.pp=2",
+        "train.amp=fp16",
+        f"out_dir={tmp_path}/r",
+        "--nproc-per-node",  # two processes can hold two stages: the refusal is the setting's, before they start
+        "2",
     )
     assert_user_error(proc, "train.amp=fp16 cannot run with dist.pp=2")
     assert not (tmp_path / "r").exists()

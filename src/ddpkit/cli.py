@@ -107,6 +107,12 @@ def preflight(command: Command, cfg, env) -> None:
     from ddpkit.distributed.runtime import resolve_device_backend
 
     resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
+    from ddpkit.parallel.mesh import check_config, layout_of
+
+    if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
+        check_config(cfg, env.world_size)
+    else:
+        layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
     check = getattr(command.module, "preflight", None)
     if check is not None:
         check(cfg)
@@ -153,7 +159,8 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
         in_launcher = getattr(command.module, "in_launcher", None)
         tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
-            preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
+            nproc = spec.nproc_per_node or 1
+            preflight(command, cfg, DistEnv(local_world_size=nproc, world_size=nproc * spec.nnodes))
             meanwhile = tail.start if tail is not None else None
             with tail if tail is not None else contextlib.nullcontext():
                 if spec.launcher == "spawn":

@@ -190,18 +190,21 @@ def _fresh_hint(out: Path) -> str:
 
 def newest_readable(out: Path, earlier: Earlier, warn: Callable[[str], None]) -> tuple[str, dict]:
     """(path, state) of the newest checkpoint a run continues from; UserError listing them when none loads."""
-    broken = []
+    broken: list[str] = []
+    why: dict[str, list[str]] = {}  # reason -> file names: the refusal names out_dir once, each reason once
     for path in CheckpointDir(out).candidates():
         try:
             state = load_checkpoint(path, require=TRAIN_KEYS)
         except UserError as e:
             broken.append(e.what)
+            reason = e.what.replace(f"checkpoint '{path}' ", "", 1).removeprefix("is ")
+            why.setdefault(reason, []).append(path.name)
             continue
         for what in broken:
             warn(f"ddpkit: warning: {what}; falling back to an older checkpoint")
         return str(path), state
     if broken:
-        shown = "; ".join(broken[:3]) + (f"; and {len(broken) - 3} more" if len(broken) > 3 else "")
+        shown = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in why.items())
         raise UserError(
             f"no checkpoint of the run in out_dir '{out}' can be continued: {shown}",
             "move them aside and rerun, " + _fresh_hint(out),
