@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ddpkit.bounded import loads_json
+from ddpkit.config.bounded import loads_json
 
 Lines = Literal["every", "first", "resumed"]
 

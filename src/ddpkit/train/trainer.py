@@ -24,7 +24,7 @@ from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
     barrier,
     broadcast_object,
-    gather_object,
+    gather_object_to,
 )
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
@@ -350,7 +350,7 @@ class Trainer:
         mine = self.strategy.hook_state()
         if mine is None:
             return {}
-        return {"comm_hook": gather_object(mine)}
+        return {"comm_hook": gather_object_to(mine)}
 
     # ---- small parts of the recipe ------------------------------------------------------------
     def _more_to_train(self) -> bool:
