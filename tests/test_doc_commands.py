@@ -134,13 +134,13 @@ COVERED = {
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
     # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
     "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
-        "tests/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
+        "tests/train/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
     ),
     "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
-        "tests/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
+        "tests/train/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
     ),
     "ddpkit report runs/text_gpt --out text_gpt.png": (
-        "tests/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
+        "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
     ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
