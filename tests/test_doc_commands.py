@@ -73,7 +73,7 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
-TP_TEST = "tests/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
+TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -143,7 +143,7 @@ COVERED = {
         "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
     ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
-    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",
