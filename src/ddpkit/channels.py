@@ -26,6 +26,7 @@ OVERSUBSCRIBE = "DDPKIT_OVERSUBSCRIBE"
 PROBE_S = "DDPKIT_PROBE_S"
 DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
+LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launch.spawn, distributed.spawn (spawn workers)", "distributed.env",
@@ -48,6 +49,8 @@ CHANNELS: tuple[Channel, ...] = (
             "set: torch's agent and store keep their own log lines"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "distributed.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
+    Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",
+            "'--local_rank' or '--local-rank': the script gets FLAG=LOCAL_RANK after its name; taken out"),
 )  # fmt: skip
 
 
