@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 import re
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
+import torch
 
 from conftest import assert_user_error, run_cli
 
@@ -170,3 +174,173 @@ def test_oversubscribe_flag_allows_more_processes_than_cores(monkeypatch):
     spec = spec_from_args(parser.parse_args(["--nproc_per_node", str(cores + 1), "--oversubscribe"]), {})
     assert spec.nproc_per_node == cores + 1
     check_cpu_processes(spec.nproc_per_node)  # no UserError
+
+
+# ---------------------------------------------------------------------------------------------- launch()
+
+
+def _stuck_rank_one(marker: str):
+    import ddpkit
+
+    if ddpkit.get_rank() == 1:
+        time.sleep(600)  # stuck outside any collective
+    Path(marker).write_text(str(time.time()))
+    return "rank 0 done"
+
+
+def _rank_one_stuck_while_rank_zero_waits():
+    import ddpkit
+
+    if ddpkit.get_rank() == 1:
+        time.sleep(600)
+    ddpkit.barrier()  # rank 0 waits here until the group's timeout
+
+
+def test_launch_names_a_stuck_rank_within_its_timeout(tmp_path):
+    """Rank 1 stuck outside any collective: launch() returns within timeout_s + 10 s of rank 0's end, naming
+    rank 1; with rank 0 waiting in a barrier for it, rank 1 (not the waiting rank 0) is named."""
+    import ddpkit
+    from ddpkit.errors import WorkerFailure
+
+    marker = tmp_path / "rank0"
+    with pytest.raises(
+        WorkerFailure, match=r"worker rank 1 hung: still running 5 s \(timeout_s\) after rank 0"
+    ):
+        ddpkit.launch(_stuck_rank_one, str(marker), nprocs=2, timeout_s=5)
+    assert time.time() - float(marker.read_text()) < 5 + 10
+    with pytest.raises(WorkerFailure, match=r"worker rank 1 hung: rank 0 timed out waiting for it"):
+        ddpkit.launch(_rank_one_stuck_while_rank_zero_waits, nprocs=2, timeout_s=5)
+
+
+def test_launch_of_a_lambda_or_closure_is_one_line_with_the_fix():
+    import ddpkit
+    from ddpkit.errors import UserError
+
+    with pytest.raises(UserError, match="a lambda, which spawned processes cannot import") as e:
+        ddpkit.launch(lambda: 1, nprocs=2)
+    assert "top level of a module" in e.value.hint
+
+    def inner():
+        return 1
+
+    with pytest.raises(UserError, match="defined in a function"):
+        ddpkit.launch(inner, nprocs=2)
+
+
+# ---------------------------------------------------------------------------------------------- prepare()
+
+
+def _mnist_patterns():
+    """The MNIST example's two settings, prepare() twice, a DistributedSampler loader, a shape mismatch."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import ddpkit
+    from ddpkit.errors import UserError
+
+    out = {}
+    rank = ddpkit.get_rank()
+    try:  # the first reduction checks every rank's shape
+        ddpkit.all_reduce_sum([1, 2] if rank == 0 else [1, 2, 3])
+    except UserError as e:
+        out["mismatch"] = str(e)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Linear(4, 2)
+
+    def data(n):
+        return TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+
+    def count(net, loader, train):
+        net.train(train)
+        try:
+            return ddpkit.all_reduce_sum(sum(len(y) for _, y in loader))
+        except UserError as e:
+            return str(e)
+
+    # GPU setting: the test loader is shuffled (1001 samples, batch 1000)
+    net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True))
+    out["shuffled_test"] = count(net, test, train=False)
+    net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True), roles=["eval"])
+    out["shuffled_test_said_eval"] = count(net, test, train=False)
+    # CPU setting: the training loader is unshuffled (129 samples, batch 64)
+    net, train = ddpkit.prepare(model(), DataLoader(data(129), batch_size=64))
+    out["unshuffled_train"] = count(net, train, train=True)
+    net, opt, train = ddpkit.prepare(
+        model(),
+        torch.optim.SGD(model().parameters(), lr=0.1),
+        DataLoader(data(129), batch_size=64),
+        roles=["train"],
+    )
+    steps = 0
+    for x, y in train:  # DDP all-reduces every step: the shards must be even
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        steps += 1
+    out["unshuffled_train_said_train_steps"] = ddpkit.all_gather_object(steps)
+    # prepare twice
+    again, train_again = ddpkit.prepare(net, train)
+    out["twice"] = (again is net, train_again is train, sorted(again.state_dict())[0])
+    # a loader that already has a DistributedSampler
+    ds = data(10)
+    own = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, shuffle=False))
+    out["distributed_sampler_kept"] = ddpkit.prepare(own) is own
+    return out
+
+
+@pytest.fixture(scope="module")
+def mnist_patterns():
+    import ddpkit
+
+    return ddpkit.launch(_mnist_patterns, nprocs=2, timeout_s=60)
+
+
+def test_prepare_refuses_a_guessed_role_used_the_other_way_and_counts_once_when_told(mnist_patterns):
+    for r in mnist_patterns:
+        assert "guessed to be for training" in r["shuffled_test"] and "roles=" in r["shuffled_test"]
+        assert r["shuffled_test_said_eval"] == 1001  # every test sample once
+        assert "prepared for evaluation" in r["unshuffled_train"] and "roles=" in r["unshuffled_train"]
+        assert r["unshuffled_train_said_train_steps"] == [2, 2]  # even shards: 65 samples each, 2 batches
+
+
+def test_prepare_twice_a_distributed_sampler_and_a_shape_mismatch(mnist_patterns):
+    for r in mnist_patterns:
+        assert r["twice"] == (True, True, "module.bias")  # not module.module.*
+        assert r["distributed_sampler_kept"]
+        assert "rank 1 passed shape [3]" in r["mismatch"], r["mismatch"]
+
+
+def _train_digits(ported: bool):
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(50, 4), torch.randint(0, 3, (50,)))
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train, val = DataLoader(ds, batch_size=8, shuffle=True), DataLoader(ds, batch_size=16)
+    if ported:
+        model, opt, train, val = ddpkit.prepare(model, opt, train, val)
+    for _ in range(2):
+        model.train()
+        for x, y in train:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        model.eval()
+        for x, _ in val:
+            model(x)
+    return {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+
+
+def test_one_process_port_reproduces_the_unported_weights_exactly():
+    """Dropout, a shuffled training loader and an evaluation loader: prepare() in one process draws from
+    torch's random stream exactly as the unported script's loaders do."""
+    plain, ported = _train_digits(False), _train_digits(True)
+    assert all(torch.equal(plain[k], ported[k]) for k in plain)

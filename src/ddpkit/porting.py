@@ -11,13 +11,15 @@ back on the right device, unwrapped: the same script runs as `python script.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.data.loaders import DistributedLoader, convert_loader
+from ddpkit.data.loaders import DistributedLoader
+from ddpkit.data.roles import prepare_loader, remember_model, roles_for
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
@@ -69,20 +71,28 @@ def _rebuilt_optimizer(
     return strategy.build_optimizer(model, factory)
 
 
+def _wrapped(model: nn.Module) -> bool:
+    """Already inside a wrapper (DDP, FSDP, torch.compile: prepare() made it, or the user did)."""
+    return unwrap_module(model) is not model
+
+
 def prepare(
     *objects: Any,
     strategy: str = "auto",
     sync_bn: bool = False,
     seed: int = 0,
     ddp_options: dict | None = None,
+    roles: Sequence[str] | None = None,
 ) -> Any:
     """Each object ready for this process, returned in the order given (one object: returned alone).
 
     nn.Module: moved to this rank's device, SyncBatchNorm if `sync_bn` and several processes, wrapped for
     `strategy` (auto: ddp with several processes, as is with one; single, ddp, zero1, fsdp). Optimizer: kept
     (re-made over the sharded parameters for zero1/fsdp). DataLoader: re-made as a distributed loader keeping its
-    other arguments (shuffled -> training, unshuffled -> exact evaluation); `seed` seeds the shared shuffle.
-    LR schedulers and anything else: returned as they are. Initialises the process group if nobody did.
+    other arguments (shuffled -> training, unshuffled -> exact evaluation, unless `roles` names each loader's:
+    "train" or "eval"; data/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
+    anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
+    process group if nobody did.
     """
     if strategy != "auto":
         try:
@@ -94,9 +104,10 @@ def prepare(
     if len(models) > 1:
         raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    loader_roles = roles_for(objects, roles)
     chosen = build_strategy(strategy, ctx, ddp_options)
     out: dict[int, Any] = {}
-    if models:
+    if models and not _wrapped(models[0]):  # one prepared already stays as it is, and so does its optimizer
         model = models[0].to(ctx.device)
         if sync_bn and ctx.world_size > 1:
             model = _sync_bn(model, ctx.device)
@@ -105,13 +116,18 @@ def prepare(
         for opt in optimizers:
             if chosen.entry.remakes_optimizer:
                 out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
-    elif optimizers and chosen.entry.remakes_optimizer:
+    elif not models and optimizers and chosen.entry.remakes_optimizer:
         raise UserError(
             f"ddpkit.prepare(strategy='{chosen.name}') needs the model too", "pass model and optimizer"
         )
+    model_out = out.get(id(models[0]), models[0]) if models else None
+    if model_out is not None:
+        remember_model(model_out)
     for obj in objects:
         if isinstance(obj, DataLoader | DistributedLoader):
-            out[id(obj)] = convert_loader(obj, seed=seed, rank=ctx.rank, world_size=ctx.world_size)
+            out[id(obj)] = prepare_loader(
+                obj, loader_roles.pop(0), seed=seed, rank=ctx.rank, world_size=ctx.world_size, model=model_out
+            )
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
             raise UserError(
                 f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "
