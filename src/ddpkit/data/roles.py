@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
 from ddpkit.errors import UserError
+from ddpkit.parallel.strategy import unwrap_module
 
 ROLES = ("train", "eval")
 _HINT = "say what each loader is for: ddpkit.prepare(model, optimizer, train_loader, val_loader, roles=['train', 'eval'])"
@@ -56,10 +57,11 @@ def _check(
     loader_role: str, explicit: bool, world_size: int, model_ref: Callable[[], Any]
 ) -> Callable[[], None]:
     def check() -> None:
-        model = model_ref() or _LastModel.ref()
+        model = model_ref()
+        model = _LastModel.ref() if model is None else model
         if model is None or world_size == 1:  # one process: no shard is uneven or padded
             return
-        training = bool(model.training)
+        training = bool(unwrap_module(model).training)  # `unwrap(model).eval()` counts as model.eval()
         if loader_role == "eval" and training:
             how = "guessed from shuffle=False" if not explicit else "roles= says so"
             raise UserError(
