@@ -1,0 +1,165 @@
+"""One device mesh for every parallel layout: pipeline x data x tensor.
+
+The ranks form a (pp, dp, tp) grid, tensor-parallel peers next to each other (rank = (pp_i * dp + dp_j) * tp +
+tp_k), so a tensor-parallel group sits on one node whenever tp divides the processes per node. The data-parallel
+degree is what is left: world_size / (tp * pp). Ranks of one tensor or pipeline group read the same samples (the
+loaders shard by the dp coordinate and dp degree), and metrics count every sample once, on one rank per dp
+replica (`counts`).
+
+Importing this module imports no torch: the command line checks a layout before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ddpkit.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+DIMS = ("pp", "dp", "tp")  # the mesh's dimension names, outermost first
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks split: dp data-parallel replicas, each a pipeline of pp stages of tp tensor-parallel ranks."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{"pp": i, "dp": j, "tp": k} of `rank`, where rank = (i * dp + j) * tp + k."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
+        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+
+    def counts(self, rank: int) -> bool:
+        """True on the one rank per dp replica whose sums the metrics count: tensor rank 0 of the last stage
+        (tensor-parallel peers hold the same numbers, and only the last stage has the loss)."""
+        c = self.coords(rank)
+        return c["tp"] == 0 and c["pp"] == self.pp - 1
+
+    def describe(self, rank: int) -> str:
+        """`dp=1 tp=0 pp=0` (this rank's coordinates, as `ddpkit info` shows them)."""
+        c = self.coords(rank)
+        return f"dp={c['dp']} tp={c['tp']} pp={c['pp']}"
+
+    @property
+    def parallel(self) -> bool:
+        """True when the model itself is split (tensor or pipeline parallel)."""
+        return self.tp > 1 or self.pp > 1
+
+
+def layout_of(world_size: int, tp: int = 1, pp: int = 1) -> Layout:
+    """The Layout of `world_size` ranks with these degrees; a UserError when tp * pp does not divide it."""
+    if tp < 1 or pp < 1:
+        raise UserError(
+            f"dist.tp={tp} dist.pp={pp}: the degrees must be at least 1", "use dist.tp=1 dist.pp=1"
+        )
+    if world_size % (tp * pp):
+        raise UserError(
+            f"{world_size} process(es) cannot be split into dist.tp={tp} x dist.pp={pp} "
+            f"(world size must be a multiple of {tp * pp})",
+            f"start a multiple of {tp * pp} processes, or change dist.tp / dist.pp",
+        )
+    return Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The ("pp", "dp", "tp") DeviceMesh of `layout` over the default process group (collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
+
+
+# ------------------------------------------------------------------------------------- checks of a config
+
+# Strategies that run over a data-parallel dim whose model holds DTensors (tensor parallel).
+TP_STRATEGIES = ("zero2", "fsdp")
+OFFLOAD_STRATEGIES = ("fsdp", "zero2")
+CHECKPOINTED_ARCHS = ("gpt",)
+
+
+def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
+    """The strategy that runs over the dp dim of `layout` for dist.strategy=`name` (auto resolved); a UserError
+    for a combination torch cannot do."""
+    from ddpkit.parallel.strategy import get_strategy, resolve_strategy
+
+    if layout.tp > 1:
+        if name == "auto":
+            return "zero2" if layout.dp > 1 else "single"
+        if name in ("ddp", "zero1"):
+            raise UserError(
+                f"dist.strategy={name} cannot run over tensor-parallel (DTensor) parameters (dist.tp={layout.tp})",
+                "use dist.strategy=auto (zero2 over the data-parallel ranks), zero2 or fsdp",
+            )
+        if layout.dp == 1 and name in ("single", "dp"):
+            return "single"
+    if offload == "cpu":
+        if name == "auto":
+            name = "fsdp"
+        if name not in OFFLOAD_STRATEGIES:
+            raise UserError(
+                f"dist.offload=cpu needs dist.strategy fsdp or zero2 (FSDP2's CPU offload), not {name}",
+                "use dist.strategy=fsdp or zero2, or dist.offload=none",
+            )
+        if layout.world_size == 1:
+            raise UserError(
+                "dist.offload=cpu needs several processes (FSDP2 shards over them)",
+                "start two or more processes (--nproc-per-node 2), or use dist.offload=none",
+            )
+    if layout.parallel and layout.dp == 1 and name == "auto":
+        return "single"
+    resolved = resolve_strategy(name, layout.dp)
+    if layout.tp > 1 and resolved not in (*TP_STRATEGIES, "single"):
+        entry = get_strategy(resolved)
+        if not entry.shards:  # a registered strategy of its own: its wrapper must take DTensor parameters
+            raise UserError(
+                f"dist.strategy={resolved} is not known to work with dist.tp={layout.tp}",
+                "use dist.strategy=auto, zero2 or fsdp",
+            )
+    return resolved
+
+
+def check_model(cfg: Any, layout: Layout) -> None:
+    """The model can be split as asked: heads, width and context divisible by tp; checkpointing applies."""
+    m, tp = cfg.model, layout.tp
+    if tp > 1 and m.arch != "gpt":
+        raise UserError(
+            f"dist.tp={tp} needs a model with a tensor-parallel plan; model.arch={m.arch} has none",
+            "use model.arch=gpt, or ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
+        )
+    for key, value in (
+        ("model.n_head", m.n_head),
+        ("model.n_embd", m.n_embd),
+        ("data.block_size", cfg.data.block_size),
+    ):
+        if tp > 1 and value % tp:
+            raise UserError(
+                f"{key}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
+                f"use a {key} that is a multiple of {tp}, or another dist.tp",
+            )
+    if m.activation_checkpointing != "none" and m.arch not in CHECKPOINTED_ARCHS:
+        raise UserError(
+            f"model.activation_checkpointing={m.activation_checkpointing} re-computes transformer blocks; "
+            f"model.arch={m.arch} has none",
+            "use model.arch=gpt, or model.activation_checkpointing=none",
+        )
+
+
+def check_config(cfg: Any, world_size: int) -> Layout:
+    """Every layout check of a config for `world_size` ranks, before any worker starts; returns the Layout."""
+    layout = layout_of(world_size, cfg.dist.tp, cfg.dist.pp)
+    check_model(cfg, layout)
+    strategy_over_dp(cfg.dist.strategy, layout, cfg.dist.offload)
+    return layout
+
+
+__all__ = ["DIMS", "Layout", "build_mesh", "check_config", "layout_of", "strategy_over_dp"]
