@@ -46,7 +46,7 @@ def nproc_value(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--nproc-per-node takes a number or one of {', '.join(NPROC_WORDS)}, got '{text}'"
+            f"a number or one of {', '.join(NPROC_WORDS)}, got '{text}'"
         ) from None
 
 
