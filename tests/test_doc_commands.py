@@ -74,6 +74,10 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 COVERED = {
+    # with train.max_steps=3, sgd at a constant lr and the global batch of the single-process reference
+    "ddpkit train dist.strategy=fsdp checkpoint.format=sharded --nproc-per-node 2": (
+        "tests/test_sharded_checkpoint.py::test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights"
+    ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
     "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     "ddpkit comm --nproc-per-node 2": "tests/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",

@@ -54,9 +54,15 @@ def make_model(
 def load_weights(
     strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
 ) -> None:
-    """A checkpoint's model (and optimizer) state into `wrapped`; one UserError when it does not fit."""
+    """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
+    tensors read by every rank); one UserError when it does not fit. Collective."""
+    from ddpkit.sharded import is_sharded
+
     try:
-        strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
+        if is_sharded(path):
+            strategy.load_sharded(wrapped, optimizer, path, state)
+        else:
+            strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
             f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",

@@ -13,7 +13,7 @@ import torch
 from ddpkit.atomicio import atomic_write
 from ddpkit.errors import UserError, first_line
 
-EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.pt$")
+EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.(pt|dcp)$")
 TRAIN_KEYS = ("model", "epoch", "step")  # what every `ddpkit train` checkpoint holds
 
 
@@ -61,7 +61,9 @@ def unreadable_reason(e: BaseException) -> str:
 
 def _not_a_file(path: Path) -> UserError:
     if path.is_dir():
-        inside = [p for p in (path / "checkpoints" / "last.pt", path / "last.pt") if p.is_file()]
+        names = [path / "checkpoints" / "last.pt", path / "last.pt"]
+        names += [path / "checkpoints" / "last.dcp", path / "last.dcp"]
+        inside = [p for p in names if p.is_file() or _is_sharded(p)]
         return UserError(
             f"checkpoint '{path}' is a folder, not a checkpoint file",
             f"did you mean '{inside[0]}'?" if inside else "point to a .pt file written by ddpkit train",
@@ -69,9 +71,16 @@ def _not_a_file(path: Path) -> UserError:
     return UserError(f"checkpoint '{path}' does not exist", "check checkpoint.path / checkpoint.resume")
 
 
+def _is_sharded(path: str | os.PathLike) -> bool:
+    from ddpkit.sharded import is_sharded
+
+    return is_sharded(path)
+
+
 def check_file(path: str | os.PathLike) -> None:
-    """UserError when `path` is not a checkpoint file: missing, or a folder (naming the file inside it)."""
-    if not Path(path).is_file():
+    """UserError when `path` is neither a checkpoint file nor a sharded checkpoint folder: missing, or another
+    folder (naming the checkpoint inside it)."""
+    if not Path(path).is_file() and not _is_sharded(path):
         raise _not_a_file(Path(path))
 
 
@@ -98,6 +107,8 @@ def load_checkpoint(
     """
     path = Path(path)
     check_file(path)
+    if _is_sharded(path):
+        return _load_sharded_side(path, require)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:  # permissions, I/O errors: the file is there but cannot be read
@@ -125,30 +136,59 @@ def load_checkpoint(
     return state
 
 
-class CheckpointDir:
-    """out_dir/checkpoints: last.pt, best.pt and the newest `keep` epoch_NNNN.pt files."""
+def _load_sharded_side(path: Path, require: tuple[str, ...]) -> dict[str, Any]:
+    """A sharded checkpoint's state.pt (everything but the tensors), checked like a file's entries; the
+    tensors' presence is read from its metadata (safely: see dcp_io)."""
+    from ddpkit.dcp_io import read_metadata, tensor_entries
+    from ddpkit.sharded import MODEL, SIDE
 
-    def __init__(self, out_dir: str | os.PathLike, keep: int = 3):
+    side = path / SIDE
+    if not side.is_file():
+        raise UserError(
+            f"checkpoint '{path}' is unreadable: it has no {SIDE} (an unfinished save?)",
+            "point to a complete checkpoint written by ddpkit train",
+        )
+    state = load_checkpoint(side, require=tuple(k for k in require if k != "model"))
+    if "model" in require and not any(k.startswith(MODEL) for k in tensor_entries(read_metadata(path))):
+        raise UserError(
+            f"checkpoint '{path}' holds no 'model' entry", "point to a checkpoint written by ddpkit train"
+        )
+    return state
+
+
+class CheckpointDir:
+    """out_dir/checkpoints: last, best and the newest `keep` epoch_NNNN checkpoints, as .pt files
+    (checkpoint.format=full) or .dcp folders (sharded); a resume reads either."""
+
+    def __init__(self, out_dir: str | os.PathLike, keep: int = 3, sharded: bool = False):
         self.dir = Path(out_dir) / "checkpoints"
         self.keep = keep
+        self.suffix = ".dcp" if sharded else ".pt"
 
     @property
     def last(self) -> Path:
-        return self.dir / "last.pt"
+        return self.dir / f"last{self.suffix}"
 
     @property
     def best(self) -> Path:
-        return self.dir / "best.pt"
+        return self.dir / f"best{self.suffix}"
 
     def epoch_path(self, epoch: int) -> Path:
-        return self.dir / f"epoch_{epoch:04d}.pt"
+        return self.dir / f"epoch_{epoch:04d}{self.suffix}"
 
     def epoch_files(self) -> list[Path]:
-        """Epoch checkpoints, newest first."""
+        """Epoch checkpoints of both formats, newest first."""
         if not self.dir.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := EPOCH_RE.match(p.name))]
-        return [p for _, p in sorted(found, reverse=True)]
+        found = [(int(m.group(1)), _mtime(p), p) for p in self.dir.iterdir() if (m := EPOCH_RE.match(p.name))]
+        return [p for _, _, p in sorted(found, reverse=True)]
+
+    def _prune(self) -> None:
+        for old in self.epoch_files()[self.keep :]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def save_epoch(self, state: dict[str, Any], epoch: int, is_best: bool) -> None:
         """epoch_NNNN.pt, then last.pt (and best.pt) pointing at the same bytes; prune old epoch files."""
@@ -156,8 +196,7 @@ class CheckpointDir:
         _place(path, self.last)
         if is_best:
             _place(path, self.best)
-        for old in self.epoch_files()[self.keep :]:
-            old.unlink(missing_ok=True)
+        self._prune()
 
     def save_step(self, state: dict[str, Any], is_best: bool = False) -> None:
         """A mid-epoch checkpoint: last.pt (and best.pt, when a run that ends mid-epoch scored its best)."""
@@ -165,15 +204,37 @@ class CheckpointDir:
         if is_best:
             _place(path, self.best)
 
+    def save_sharded(self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool) -> None:
+        """The sharded counterpart of save_epoch (side["consumed"] == 0) and save_step, every rank writing its
+        tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone."""
+        from ddpkit import dcp_io, sharded
+
+        target = self.last if side["consumed"] else self.epoch_path(side["epoch"])
+        sharded.write(target, tensors, side, is_main)
+        if not is_main:
+            return
+        if target != self.last:
+            dcp_io.copy_folder(target, self.last)
+        if is_best:
+            dcp_io.copy_folder(target, self.best)
+        self._prune()
+
     def candidates(self) -> list[Path]:
-        """The files a resume may continue from, newest first: last.pt, then the epoch files."""
-        return [p for p in [self.last, *self.epoch_files()] if p.exists()]
+        """The checkpoints a resume may continue from, newest first: last.pt or last.dcp (the newer first), then
+        the epoch checkpoints. A last.dcp that a killed save left renamed aside counts as last.dcp."""
+        from ddpkit.dcp_io import surviving
+
+        lasts = [p for p in (self.dir / "last.pt", surviving(self.dir / "last.dcp")) if p and p.exists()]
+        return sorted(lasts, key=_mtime, reverse=True) + self.epoch_files()
 
     def sweep(self) -> None:
-        """Remove the temporary files of saves that were killed half-way."""
+        """Remove the temporaries of saves that were killed half-way (a folder renamed aside goes back)."""
+        from ddpkit.dcp_io import remove_temporaries, restore_aside
+
         if self.dir.is_dir():
-            for tmp in self.dir.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+            for old in self.dir.glob(".*.dcp.prev"):
+                restore_aside(self.dir / old.name[1 : -len(".prev")])
+            remove_temporaries(self.dir)
 
     def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
         """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over
@@ -184,3 +245,13 @@ class CheckpointDir:
             except UserError as e:
                 warn(f"ddpkit: warning: {e.what}; falling back to an older checkpoint")
         return None
+
+
+def _mtime(path: Path) -> float:
+    """When a checkpoint was completed: its file's time, or a folder's state.pt's (written last)."""
+    from ddpkit.sharded import SIDE
+
+    try:
+        return (path / SIDE if path.is_dir() else path).stat().st_mtime
+    except OSError:
+        return 0.0

@@ -137,7 +137,8 @@ def inspect(out_dir: str | os.PathLike) -> Earlier:
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
     ckpt_dir = out / "checkpoints"
-    ckpts = tuple(sorted(p.name for p in ckpt_dir.glob("*.pt"))) if ckpt_dir.is_dir() else ()
+    found = [*ckpt_dir.glob("*.pt"), *ckpt_dir.glob("*.dcp")] if ckpt_dir.is_dir() else []
+    ckpts = tuple(sorted(p.name for p in found))
     epochs = tuple(int(r["epoch"]) for r in read_metrics(out) if isinstance(r.get("epoch"), int))
     return Earlier(out, files, ckpts, epochs)
 

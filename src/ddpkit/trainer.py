@@ -55,7 +55,9 @@ class Trainer:
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
-        self.ckpt = CheckpointDir(cfg.out_dir, keep=cfg.checkpoint.keep)
+        self.ckpt = CheckpointDir(
+            cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
+        )
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
@@ -203,13 +205,12 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
-        epoch last.pt only; best.pt too when `row` (the metrics line it carries) has the best val_acc1."""
+        epoch last.pt only; best.pt too when `row` (the metrics line it carries) has the best val_acc1.
+        checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
         best = row is not None and row["val_acc1"] is not None and row["val_acc1"] > self.state.best_acc1
         if best:
             self.state.best_acc1 = row["val_acc1"]
-        full = {
-            "model": self.strategy.model_state(self.wrapped),
-            "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+        rest = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             **self.state.state_dict(),
@@ -217,11 +218,21 @@ class Trainer:
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
         }
-        if self.ctx.is_main:
-            if full["consumed"]:
-                self.ckpt.save_step(full, best)
-            else:
-                self.ckpt.save_epoch(full, self.state.epoch, best)
+        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
+            tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best)
+        else:
+            model = self.strategy.model_state(self.wrapped)
+            full = {
+                "model": model,
+                "optimizer": self.strategy.optimizer_state(self.wrapped, self.optimizer),
+                **rest,
+            }
+            if self.ctx.is_main:
+                if full["consumed"]:
+                    self.ckpt.save_step(full, best)
+                else:
+                    self.ckpt.save_epoch(full, self.state.epoch, best)
         self.stop.checkpointed()
         barrier()  # nobody reads a checkpoint before it is complete
 

@@ -163,7 +163,7 @@ def sbatch_script(
         "",
         "# Stopped at the time-limit signal: back into the queue; the next run resumes from out_dir (checkpoint.resume=auto).",
         'if [ "$signalled" = 1 ] && [ "$status" -ne 0 ]; then',
-        '    if [ -f "$OUT_DIR/checkpoints/last.pt" ]; then',
+        '    if [ -f "$OUT_DIR/checkpoints/last.pt" ] || [ -d "$OUT_DIR/checkpoints/last.dcp" ]; then',
         '        from="from its last checkpoint"',
         "    else",
         '        from="from the start (the signal came before the first checkpoint)"',

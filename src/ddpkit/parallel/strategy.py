@@ -200,11 +200,18 @@ class Strategy:
         return note
 
     def model_state(self, wrapped: nn.Module) -> dict:
-        return self.unwrap(wrapped).state_dict()
+        """The full model state under the user's module names, whatever the layout (parallel/state_dict.py): on
+        rank 0, and on every rank when nothing had to be gathered (elsewhere empty). Collective."""
+        from ddpkit.parallel import state_dict
+
+        return state_dict.model_state(self.unwrap(wrapped))
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        """The full optimizer state on rank 0 (None elsewhere when it has to be gathered). Collective."""
-        return optimizer.state_dict()
+        """The full optimizer state keyed by parameter name on rank 0 (None elsewhere when it had to be
+        gathered). Collective."""
+        from ddpkit.parallel import state_dict
+
+        return state_dict.optimizer_state(self.unwrap(wrapped), optimizer)
 
     def load(
         self,
@@ -213,9 +220,22 @@ class Strategy:
         model_sd: dict,
         optim_sd: dict | None,
     ) -> None:
-        self.unwrap(wrapped).load_state_dict(model_sd)
-        if optimizer is not None and optim_sd is not None:
-            optimizer.load_state_dict(optim_sd)
+        """A full state written under any layout into this one. Collective."""
+        from ddpkit.parallel import state_dict
+
+        state_dict.load_state(self.unwrap(wrapped), optimizer, model_sd, optim_sd)
+
+    def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+        """(this rank's tensors for a sharded checkpoint, the non-tensor optimizer entries). Collective."""
+        from ddpkit import sharded
+
+        return sharded.state_tensors(self.unwrap(wrapped), optimizer)
+
+    def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
+        """A sharded checkpoint folder, written under any layout and world size, into this one. Collective."""
+        from ddpkit import sharded
+
+        sharded.load(path, self.unwrap(wrapped), optimizer, side)
 
 
 def ddp_options(dist_cfg: Any) -> dict:

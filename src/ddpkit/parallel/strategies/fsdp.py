@@ -42,34 +42,6 @@ class FSDPStrategy(Strategy):
         wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    def model_state(self, wrapped):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(wrapped, options=self._options())
-
-    def optimizer_state(self, wrapped, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        sd = get_optimizer_state_dict(wrapped, optimizer, options=self._options())
-        return sd if self.ctx.rank == 0 else None
-
-    def load(self, wrapped, optimizer, model_sd, optim_sd):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(wrapped, model_sd, options=opts)
-        if optimizer is not None and optim_sd is not None:
-            set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=opts)
-
 
 def _recognizes(model, optimizer) -> bool:
     try:

@@ -18,10 +18,6 @@ class Zero1Strategy(DDPStrategy):
         }
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **defaults)
 
-    def optimizer_state(self, wrapped, optimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if self.ctx.rank == 0 else None
-
 
 def _recognizes(model, optimizer) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -1,0 +1,189 @@
+"""checkpoint.format=sharded: one torch.distributed.checkpoint (DCP) folder per checkpoint, each rank writing its
+own shards, loadable at any world size and layout (DCP reads each rank's part of every tensor).
+
+A folder (`last.dcp/`, `best.dcp/`, `epoch_NNNN.dcp/`) holds DCP's files for the tensors, under the full model's
+names:
+
+- `model.NAME`: the model's parameters and buffers (DTensor shards under fsdp, zero2 and tensor parallel; a
+  pipeline stage writes the names it owns; replicated tensors are written once);
+- `optim.NAME.KEY`: the optimizer's per-parameter tensors (`optim.fc.weight.exp_avg`), sharded the same way
+  (zero1: each rank its own partition's);
+
+and `state.pt`, the non-tensor rest, written by rank 0 and loadable with torch.load(weights_only=True): what a
+`.pt` checkpoint holds besides `model` and `optimizer` (epoch, step, scheduler, rng, config, ...) plus
+`optimizer_groups` (the optimizer's param_groups with parameter names) and `format`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit import dcp_io
+from ddpkit.parallel import state_dict as sd_mod
+from ddpkit.parallel.state_dict import GROUPS, PARAMS, STATE
+
+FORMAT = "ddpkit.sharded/1"
+SIDE = "state.pt"
+MODEL, OPTIM = "model.", "optim."
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """True when `path` is a DCP checkpoint folder (it holds .metadata or ddpkit's state.pt)."""
+    p = Path(path)
+    return p.is_dir() and ((p / dcp_io.METADATA).is_file() or (p / SIDE).is_file())
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _zero_local(module: nn.Module, optimizer: Any) -> dict:
+    """ZeroRedundancyOptimizer: this rank's partition's state, by parameter name (no gathering)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()}
+
+
+def _optimizer_parts(module: nn.Module, optimizer: Any) -> tuple[dict, list]:
+    """(this rank's {name: {key: value}} optimizer state, the name-keyed param_groups of all ranks). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if sd_mod._is_zero(optimizer):
+        return _zero_local(module, optimizer), sd_mod.named_groups(module, optimizer)
+    osd = get_optimizer_state_dict(module, optimizer)
+    groups = osd[GROUPS]
+    if sd_mod.stages_differ(module):
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, {STATE: {}, GROUPS: groups})
+        groups = sd_mod._union_optim(parts)[GROUPS]
+    return osd[STATE], groups
+
+
+def state_tensors(module: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(this rank's tensors for DCP, the non-tensor optimizer entries for state.pt). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    tensors = {MODEL + k: v for k, v in get_model_state_dict(module).items()}
+    if optimizer is None:
+        return tensors, {}
+    state, groups = _optimizer_parts(module, optimizer)
+    values: dict[str, dict] = {}
+    for name, entries in state.items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIM}{name}.{key}"] = value
+            else:
+                values.setdefault(name, {})[key] = value
+    return tensors, {"optimizer_groups": groups, "optimizer_values": values}
+
+
+def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], is_main: bool) -> None:
+    """Every rank writes its shards into a temporary folder; rank 0 adds state.pt and renames it to `target`.
+    Collective; rank 0 returns once the folder is in place."""
+    import torch.distributed.checkpoint as dcp
+
+    from ddpkit.atomicio import atomic_write
+    from ddpkit.distributed.collectives import broadcast_object
+
+    tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+    if is_main:
+        atomic_write(tmp / SIDE, lambda fh: torch.save({**side, "format": FORMAT}, fh))
+        dcp_io.replace_folder(tmp, target)
+
+
+# -------------------------------------------------------------------------------------------- loading
+
+
+def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                template,
+                storage_reader=dcp_io.SafeReader(path),
+                planner=dcp_io.TensorsOnlyPlanner(),
+                no_dist=_no_dist(),
+            )
+    except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
+        failures = list(getattr(e, "_failures", {}).values())
+        cause = getattr(failures[0], "exc", None) if failures else None
+        raise ValueError(str(cause or e).splitlines()[0]) from None
+
+
+def _optim_template(md, names: set[str]) -> dict[str, torch.Tensor]:
+    """Full-size empty tensors for the checkpoint's optimizer entries of parameters in `names`."""
+    out = {}
+    for key, entry in dcp_io.tensor_entries(md).items():
+        if key.startswith(OPTIM) and key[len(OPTIM) :].rsplit(".", 1)[0] in names:
+            out[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    return out
+
+
+def _name_keyed(tensors: dict[str, torch.Tensor], side: dict, names: set[str]) -> dict:
+    state: dict[str, dict] = {}
+    for key, value in tensors.items():
+        name, entry = key[len(OPTIM) :].rsplit(".", 1)
+        state.setdefault(name, {})[entry] = value
+    for name, values in (side.get("optimizer_values") or {}).items():
+        if name in names:
+            state.setdefault(name, {}).update(values)
+    groups = [{**g, PARAMS: [n for n in g[PARAMS] if n in names]} for g in side["optimizer_groups"]]
+    return {STATE: state, GROUPS: groups}
+
+
+def load(path: str | os.PathLike, module: nn.Module, optimizer: Any, side: dict) -> None:
+    """The model (and optimizer) tensors of DCP folder `path` into this layout: each rank reads its own part.
+    Collective. ValueError/KeyError when they do not fit."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = Path(path)
+    md = dcp_io.read_metadata(path)
+    template = {MODEL + k: v for k, v in get_model_state_dict(module).items()}
+    _dcp_load(path, template)
+    model_sd = {k[len(MODEL) :]: v for k, v in template.items()}
+    if sd_mod.has_dtensor(module):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(module, model_sd, options=sd_mod._options(full=False))
+    else:
+        module.load_state_dict(model_sd)
+    if optimizer is None or "optimizer_groups" not in side:
+        return
+    names = {n for n, _ in module.named_parameters()}
+    if sd_mod.has_dtensor(module) and not sd_mod._is_zero(optimizer):  # shards: DCP reads this rank's part
+        osd = get_optimizer_state_dict(module, optimizer)
+        tensors = {
+            f"{OPTIM}{n}.{k}": v for n, s in osd[STATE].items() for k, v in s.items() if torch.is_tensor(v)
+        }
+        _dcp_load(path, tensors)
+        sd_mod.load_optimizer(module, optimizer, _name_keyed(tensors, side, names), full=False)
+    else:  # replicated or ZeRO-1: full tensors of this rank's parameters
+        tensors = _optim_template(md, names)
+        _dcp_load(path, tensors)
+        sd_mod.load_optimizer(module, optimizer, _name_keyed(tensors, side, names), full=True)
+
+
+def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full model state of DCP folder `path` (names to full tensors), read in this process alone (as
+    torch.load reads a .pt file's `model`); collective when a process group exists."""
+    md = dcp_io.read_metadata(path)
+    template = {
+        k: torch.empty(e.size, dtype=e.properties.dtype)
+        for k, e in dcp_io.tensor_entries(md).items()
+        if k.startswith(MODEL)
+    }
+    _dcp_load(Path(path), template)
+    return {k[len(MODEL) :]: v for k, v in template.items()}

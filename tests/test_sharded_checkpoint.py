@@ -1,0 +1,194 @@
+"""checkpoint.format=sharded and checkpoints that reshard: written under one layout and world size, continued
+under another to the unbroken run's weights.
+
+Time budget: about 90 s on a quiet 2-core machine (one reference run, one 2-process fsdp run whose sharded
+checkpoint is continued twice, one 2-process run stopped by SIGTERM, a few one-line refusals; the rest reads and
+writes folders in this process).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_user_error, cli_env, run_cli
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit.errors import UserError
+from ddpkit.sharded import read_model
+
+# sgd at a constant lr, no augmentation, no norm/dropout layers: the weights after 6 optimizer steps are a function
+# of the global batch only, so every layout and world size must reach the same ones.
+BASE = [
+    "model.arch=mlp",
+    "data.augment=false",
+    "optim.name=sgd",
+    "optim.schedule=constant",
+    "optim.warmup_epochs=0",
+    "train.epochs=1",
+    "train.log_every=1",
+    "report.curves=false",
+]
+GLOBAL_BATCH = 16
+
+
+def train(out: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    batch = f"train.batch_size={GLOBAL_BATCH // nproc}"
+    proc = run_cli("train", f"out_dir={out}", *BASE, batch, *args, *launch)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    ckpts = out / "checkpoints"
+    if (ckpts / "last.dcp").is_dir():
+        return read_model(ckpts / "last.dcp")
+    return load_checkpoint(ckpts / "last.pt", require=TRAIN_KEYS)["model"]
+
+
+def assert_close(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """One process, 6 optimizer steps, nothing interrupted."""
+    out = tmp_path_factory.mktemp("unbroken") / "run"
+    train(out, 1, "train.max_steps=6")
+    return weights(out)
+
+
+@pytest.fixture(scope="module")
+def fsdp_at_3(tmp_path_factory) -> Path:
+    """2 processes under fsdp, stopped at step 3 with a sharded checkpoint."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    train(out, 2, "dist.strategy=fsdp", "checkpoint.format=sharded", "train.max_steps=3")
+    return out
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights(
+    fsdp_at_3, unbroken, tmp_path
+):
+    last = fsdp_at_3 / "checkpoints" / "last.dcp"
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    out = _copy(fsdp_at_3, tmp_path)
+    proc = train(out, 1, "train.max_steps=6")  # checkpoint.format=full: reads the folder, writes last.pt
+    assert "resumed from" in proc.stdout and "last.dcp" in proc.stdout
+    assert_close(load_checkpoint(out / "checkpoints" / "last.pt")["model"], unbroken)
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_checkpoint_continues_on_two_processes_under_zero1(fsdp_at_3, unbroken, tmp_path):
+    out = _copy(fsdp_at_3, tmp_path)
+    train(out, 2, "dist.strategy=zero1", "checkpoint.format=sharded", "train.max_steps=6")
+    assert_close(weights(out), unbroken)
+    state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
+    assert state["step"] == 6 and state["world_size"] == 2 and "model" not in state
+
+
+@pytest.mark.slow
+def test_eval_scores_a_sharded_checkpoint(fsdp_at_3):
+    proc = run_cli("eval", f"checkpoint.path={fsdp_at_3 / 'checkpoints' / 'last.dcp'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"val_samples": 359' in proc.stdout.splitlines()[-1]
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_metadata_file_that_would_run_code_is_refused_in_one_line(tmp_path):
+    _save(CheckpointDir(tmp_path, sharded=True), 1)
+    ckpt = tmp_path / "evil.dcp"
+    os.rename(tmp_path / "checkpoints" / "last.dcp", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload()))
+    proc = run_cli("eval", f"checkpoint.path={ckpt}", cwd=tmp_path)
+    assert_user_error(proc, "evil.dcp", "GLOBAL posix.system", "safe load refuses")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(tmp_path):
+    out = tmp_path / "run"
+    args = [f"out_dir={out}", *BASE, "train.batch_size=8", "dist.strategy=fsdp", "checkpoint.format=sharded"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "train", *args, "--nproc-per-node", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        start_new_session=True,
+    )
+    log = out / "log.txt"
+    for line in proc.stdout:  # the progress lines: SIGTERM once training is under way
+        if "step" in line and log.exists() and "[1/1]" in log.read_text():
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-3000:]
+    state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
+    assert state["step"] > 0 and state["consumed"] > 0
+    done = train(out, 1, f"train.max_steps={state['step'] + 2}")  # another layout and world size
+    assert f"resumed from {out / 'checkpoints' / 'last.dcp'}" in done.stdout
+    assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == state["step"] + 2
+
+
+# ---------------------------------------------------------------------------------------- in this process
+
+
+def _save(ckpts: CheckpointDir, epoch: int, consumed: int = 0, best: bool = False) -> None:
+    side = {"epoch": epoch, "step": epoch * 10 + consumed, "consumed": consumed}
+    ckpts.save_sharded({"model.w": torch.full((3,), float(epoch))}, side, is_main=True, is_best=best)
+
+
+def test_sharded_folders_follow_the_keep_best_and_last_rules(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep=2, sharded=True)
+    for epoch in range(1, 5):
+        _save(ckpts, epoch, best=epoch == 2)
+    names = sorted(p.name for p in ckpts.dir.iterdir())
+    assert names == ["best.dcp", "epoch_0003.dcp", "epoch_0004.dcp", "last.dcp"]
+    assert read_model(ckpts.best)["w"].tolist() == [2.0] * 3
+    assert read_model(ckpts.last)["w"].tolist() == [4.0] * 3
+    _save(ckpts, 4, consumed=8)  # inside epoch 5: last.dcp only
+    assert load_checkpoint(ckpts.last)["consumed"] == 8
+    assert sorted(p.name for p in ckpts.dir.iterdir()) == names
+    assert [p.name for p in ckpts.candidates()] == ["last.dcp", "epoch_0004.dcp", "epoch_0003.dcp"]
+
+
+def test_a_save_killed_between_its_renames_or_half_way_leaves_the_previous_last(tmp_path):
+    ckpts = CheckpointDir(tmp_path, sharded=True)
+    _save(ckpts, 1)
+    # killed after moving the old last.dcp aside, before the new one took its name
+    os.rename(ckpts.last, ckpts.dir / ".last.dcp.prev")
+    (ckpts.dir / ".last.dcp.x1y2.tmp").mkdir()  # ... and a half-written one
+    path, state = ckpts.newest_complete()
+    assert path.name == ".last.dcp.prev" and state["epoch"] == 1
+    ckpts.sweep()
+    assert sorted(p.name for p in ckpts.dir.iterdir()) == ["epoch_0001.dcp", "last.dcp"]
+    assert read_model(ckpts.last)["w"].tolist() == [1.0] * 3
+
+
+def test_an_unfinished_folder_says_what_is_missing(tmp_path):
+    ckpts = CheckpointDir(tmp_path, sharded=True)
+    _save(ckpts, 1)
+    (ckpts.last / ".metadata").unlink()
+    with pytest.raises(UserError, match=r"last.dcp' is unreadable: it has no .metadata \(an unfinished save"):
+        load_checkpoint(ckpts.last, require=TRAIN_KEYS)
