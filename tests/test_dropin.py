@@ -344,3 +344,20 @@ def test_one_process_port_reproduces_the_unported_weights_exactly():
     torch's random stream exactly as the unported script's loaders do."""
     plain, ported = _train_digits(False), _train_digits(True)
     assert all(torch.equal(plain[k], ported[k]) for k in plain)
+
+
+def test_local_rank_is_found_in_the_source_without_importing_it(tmp_path, monkeypatch):
+    """`-m pkg.train` is looked up in the folders (its package is never imported in the launcher); a script
+    that only mentions --local_rank in a comment does not declare it."""
+    from ddpkit.distributed.local_rank import declared_flag
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('imported in the launcher')\n")
+    (pkg / "train.py").write_text(
+        'import argparse\nargparse.ArgumentParser().add_argument(\n  "--local-rank")\n'
+    )
+    (tmp_path / "plain.py").write_text("# run me with --local_rank? no: LOCAL_RANK is read\n")
+    monkeypatch.chdir(tmp_path)
+    assert declared_flag(["-m", "pkg.train"]) == "--local-rank"
+    assert declared_flag(["plain.py"]) is None and declared_flag(["-m", "no.such"]) is None

@@ -8,9 +8,9 @@ did. `--pass-local-rank always|never` overrides the scan.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
+import sys
 
 from ddpkit import channels
 
@@ -32,12 +32,21 @@ def add_flag(parser) -> None:
 
 
 def _source_path(target: list[str]) -> str | None:
+    """The file `python TARGET` would run, found without importing anything (for -m, parent packages
+    included: PathFinder looks at the folders only)."""
     if target[0] != "-m":
         return target[0]
-    try:
-        spec = importlib.util.find_spec(target[1])
-    except (ImportError, ValueError):
-        return None
+    from importlib.machinery import PathFinder
+
+    path, spec = [os.getcwd(), *sys.path[1:]], None
+    for part in target[1].split("."):
+        spec = PathFinder.find_spec(part, path)
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    if spec is not None and spec.submodule_search_locations:  # a package: -m runs its __main__
+        main = os.path.join(path[0], "__main__.py") if path else ""
+        return main if os.path.isfile(main) else None
     return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
