@@ -80,7 +80,7 @@ def test_newest_complete_passes_over_a_damaged_last_and_says_so(tmp_path):
     ckpt.save_epoch(_state(1), 1, is_best=False)
     ckpt.save_epoch(_state(2), 2, is_best=False)
     ckpt.last.write_bytes(b"torn")
-    (ckpt.dir / ".last.pt.abc.tmp").write_bytes(b"half a save")
+    (ckpt.dir / ".last.pt.abc12345.tmp").write_bytes(b"half a save")  # as mkstemp names it
     warnings: list[str] = []
     path, state = ckpt.newest_complete(warn=warnings.append)
     assert path.name == "epoch_0002.pt" and state["epoch"] == 2

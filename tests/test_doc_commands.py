@@ -74,6 +74,9 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 COVERED = {
+    "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
+        "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
+    ),
     # with train.max_steps=3, sgd at a constant lr and the global batch of the single-process reference
     "ddpkit train dist.strategy=fsdp checkpoint.format=sharded --nproc-per-node 2": (
         "tests/test_sharded_checkpoint.py::test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights"
@@ -127,6 +130,17 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
+        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
+    ),
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": (
+        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
+    ),
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
+    "--nproc-per-node 2": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.
@@ -166,6 +180,7 @@ PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
     "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
+    "stuck.py": "tests/scripts/stuck_rank.py",  # reliability.md: the straggler test runs it as stuck.py
     "R": "0",
     "$RANK": "1",
     "$MASTER_ADDR": "10.0.0.1",

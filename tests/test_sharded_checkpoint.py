@@ -24,11 +24,14 @@ from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.sharded import read_model
 
-# sgd at a constant lr, no augmentation, no norm/dropout layers: the weights after 6 optimizer steps are a function
-# of the global batch only, so every layout and world size must reach the same ones.
+# The built-in transformer on a small text, sgd at a constant lr, no dropout: the weights after 6 optimizer steps
+# are a function of the global batch only, so every layout and world size must reach the same ones.
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # {chr(65 + i % 26)}\n" for i in range(80))
+GPT = ["model.arch=gpt", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.dropout=0"]
 BASE = [
-    "model.arch=mlp",
-    "data.augment=false",
+    *GPT,
+    "data.dataset=text",
+    "data.block_size=16",
     "optim.name=sgd",
     "optim.schedule=constant",
     "optim.warmup_epochs=0",
@@ -36,22 +39,31 @@ BASE = [
     "train.log_every=1",
     "report.curves=false",
 ]
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 8
 
 
-def train(out: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def train(
+    out: Path, text: Path, nproc: int, *args: str, dp: int | None = None
+) -> subprocess.CompletedProcess:
+    """`ddpkit train` on `nproc` processes, `dp` of them data-parallel replicas (default: all)."""
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    batch = f"train.batch_size={GLOBAL_BATCH // nproc}"
-    proc = run_cli("train", f"out_dir={out}", *BASE, batch, *args, *launch)
+    batch = f"train.batch_size={GLOBAL_BATCH // (dp or nproc)}"
+    proc = run_cli("train", f"out_dir={out}", f"data.root={text}", *BASE, batch, *args, *launch, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
-    ckpts = out / "checkpoints"
-    if (ckpts / "last.dcp").is_dir():
-        return read_model(ckpts / "last.dcp")
-    return load_checkpoint(ckpts / "last.pt", require=TRAIN_KEYS)["model"]
+    """The full weights of the newest checkpoint in out_dir (a .pt file or a .dcp folder)."""
+    newest = CheckpointDir(out).candidates()[0]
+    return read_model(newest) if newest.is_dir() else load_checkpoint(newest)["model"]
 
 
 def assert_close(a: dict, b: dict) -> None:
@@ -61,18 +73,18 @@ def assert_close(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
+def unbroken(tmp_path_factory, text) -> dict[str, torch.Tensor]:
     """One process, 6 optimizer steps, nothing interrupted."""
     out = tmp_path_factory.mktemp("unbroken") / "run"
-    train(out, 1, "train.max_steps=6")
+    train(out, text, 1, "train.max_steps=6")
     return weights(out)
 
 
 @pytest.fixture(scope="module")
-def fsdp_at_3(tmp_path_factory) -> Path:
+def fsdp_at_3(tmp_path_factory, text) -> Path:
     """2 processes under fsdp, stopped at step 3 with a sharded checkpoint."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    train(out, 2, "dist.strategy=fsdp", "checkpoint.format=sharded", "train.max_steps=3")
+    train(out, text, 2, "dist.strategy=fsdp", "checkpoint.format=sharded", "train.max_steps=3")
     return out
 
 
@@ -84,30 +96,49 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights(
-    fsdp_at_3, unbroken, tmp_path
+    fsdp_at_3, unbroken, text, tmp_path
 ):
     last = fsdp_at_3 / "checkpoints" / "last.dcp"
     assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
     out = _copy(fsdp_at_3, tmp_path)
-    proc = train(out, 1, "train.max_steps=6")  # checkpoint.format=full: reads the folder, writes last.pt
+    proc = train(out, text, 1, "train.max_steps=6")  # format=full: reads the folder, writes last.pt
     assert "resumed from" in proc.stdout and "last.dcp" in proc.stdout
     assert_close(load_checkpoint(out / "checkpoints" / "last.pt")["model"], unbroken)
 
 
 @pytest.mark.slow
-def test_fsdp_sharded_checkpoint_continues_on_two_processes_under_zero1(fsdp_at_3, unbroken, tmp_path):
+def test_fsdp_sharded_checkpoint_continues_on_two_processes_under_zero1(fsdp_at_3, unbroken, text, tmp_path):
     out = _copy(fsdp_at_3, tmp_path)
-    train(out, 2, "dist.strategy=zero1", "checkpoint.format=sharded", "train.max_steps=6")
+    train(out, text, 2, "dist.strategy=zero1", "checkpoint.format=sharded", "train.max_steps=6")
     assert_close(weights(out), unbroken)
     state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
     assert state["step"] == 6 and state["world_size"] == 2 and "model" not in state
+
+
+@pytest.fixture(scope="module")
+def pp_at_3(tmp_path_factory, text) -> Path:
+    """2 pipeline stages (pp2), stopped at step 3 with a full checkpoint (.pt, stages merged)."""
+    out = tmp_path_factory.mktemp("pp2") / "run"
+    train(out, text, 2, "dist.pp=2", "train.max_steps=3", dp=1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_pp2_full_checkpoint_continues_under_ddp_and_on_one_process_to_the_unbroken_weights(
+    pp_at_3, unbroken, text, tmp_path, nproc
+):
+    out = _copy(pp_at_3, tmp_path)
+    proc = train(out, text, nproc, "train.max_steps=6")  # dist.strategy=auto: ddp on 2 processes
+    assert f"resumed from {out / 'checkpoints' / 'last.pt'}" in proc.stdout
+    assert_close(weights(out), unbroken)
 
 
 @pytest.mark.slow
 def test_eval_scores_a_sharded_checkpoint(fsdp_at_3):
     proc = run_cli("eval", f"checkpoint.path={fsdp_at_3 / 'checkpoints' / 'last.dcp'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert '"val_samples": 359' in proc.stdout.splitlines()[-1]
+    assert '"val_ppl"' in proc.stdout.splitlines()[-1]
 
 
 class Payload:
@@ -126,9 +157,17 @@ def test_a_metadata_file_that_would_run_code_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(tmp_path):
+def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(text, tmp_path):
     out = tmp_path / "run"
-    args = [f"out_dir={out}", *BASE, "train.batch_size=8", "dist.strategy=fsdp", "checkpoint.format=sharded"]
+    args = [
+        f"out_dir={out}",
+        f"data.root={text}",
+        *BASE,
+        "train.batch_size=4",
+        "train.epochs=50",  # long enough that the signal comes while it trains
+        "dist.strategy=fsdp",
+        "checkpoint.format=sharded",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "train", *args, "--nproc-per-node", "2"],
         stdout=subprocess.PIPE,
@@ -139,14 +178,16 @@ def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(
     )
     log = out / "log.txt"
     for line in proc.stdout:  # the progress lines: SIGTERM once training is under way
-        if "step" in line and log.exists() and "[1/1]" in log.read_text():
+        if "step" in line and log.exists() and "[1/50]" in log.read_text():
             break
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 3, err[-3000:]
     state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
     assert state["step"] > 0 and state["consumed"] > 0
-    done = train(out, 1, f"train.max_steps={state['step'] + 2}")  # another layout and world size
+    done = train(
+        out, text, 1, "train.epochs=50", f"train.max_steps={state['step'] + 2}"
+    )  # another layout and world size
     assert f"resumed from {out / 'checkpoints' / 'last.dcp'}" in done.stdout
     assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == state["step"] + 2
 
@@ -178,7 +219,7 @@ def test_a_save_killed_between_its_renames_or_half_way_leaves_the_previous_last(
     _save(ckpts, 1)
     # killed after moving the old last.dcp aside, before the new one took its name
     os.rename(ckpts.last, ckpts.dir / ".last.dcp.prev")
-    (ckpts.dir / ".last.dcp.x1y2.tmp").mkdir()  # ... and a half-written one
+    (ckpts.dir / ".last.dcp.x1y2z3w4.tmp").mkdir()  # ... and a half-written one (as mkdtemp names it)
     path, state = ckpts.newest_complete()
     assert path.name == ".last.dcp.prev" and state["epoch"] == 1
     ckpts.sweep()

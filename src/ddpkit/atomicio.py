@@ -6,7 +6,11 @@ pay for a torch import) are written this way: a reader, or a run killed mid-writ
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -75,3 +79,83 @@ def os_cause(e: BaseException) -> OSError | None:
             return e
         e, seen = (e.__cause__ or e.__context__), seen + 1
     return None
+
+
+# The temporary names atomic_write makes (mkstemp: `.NAME.` + 8 of [a-z0-9_] + `.tmp`): only these are swept.
+TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
+
+
+class NotOwnFile(OSError):
+    """A path where ddpkit writes its own file holds a symlink, a folder or another non-regular file."""
+
+
+def _refused(path: str | os.PathLike, what: str) -> NotOwnFile:
+    return NotOwnFile(errno.EEXIST, what, str(path))
+
+
+def open_own(path: str | os.PathLike, flags: int, mode: int = 0o666, dir_fd: int | None = None) -> int:
+    """os.open for a file ddpkit writes itself: never through a symlink (O_NOFOLLOW), never a FIFO, device or
+    folder, never a file with other hard links (writing it would change another name's bytes). NotOwnFile
+    otherwise; the check and the open are one system call, so nothing can swap the file in between."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refused(path, "a symlink where ddpkit keeps its own file") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):
+            raise _refused(path, "not a regular file where ddpkit keeps its own file") from None
+        raise
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file where ddpkit keeps its own file"
+    elif st.st_nlink > 1 and flags & (os.O_WRONLY | os.O_RDWR):
+        problem = "a file with other hard links where ddpkit keeps its own file"
+    if problem:
+        os.close(fd)
+        raise _refused(path, problem)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _open_folder(folder: str | os.PathLike) -> int | None:
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing, or a symlink: a symlinked folder holds none of ours
+        return None
+
+
+def _temporaries(fd: int) -> list[str]:
+    names = []
+    for name in os.listdir(fd):
+        if TEMP_RE.match(name):
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):  # a file, or a folder (mkdtemp)
+                names.append(name)
+    return names
+
+
+def sweep_temporaries(folder: str | os.PathLike) -> int:
+    """Delete the leftover temporaries of killed saves in `folder`: regular files and folders with the names
+    mkstemp/mkdtemp make for ddpkit (`.NAME.XXXXXXXX.tmp`), never any other file, nothing in a symlinked
+    folder; how many went."""
+    fd = _open_folder(folder)
+    if fd is None:
+        return 0
+    gone = 0
+    try:
+        for name in _temporaries(fd):
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # never follows a symlink inside
+                else:
+                    os.unlink(name, dir_fd=fd)
+                gone += 1
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+    return gone

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UserError, WorkerFailure
+from ddpkit.outputs import add_force_flag
 from ddpkit.report import (
     check_output,
     flatten,
@@ -48,6 +49,7 @@ def add_flags(parser) -> None:
     )
     g.add_argument("--json", metavar="FILE.json", help="also write the results as JSON")
     g.add_argument("--out", metavar="FILE.png", help="also draw images/s and efficiency against processes")
+    add_force_flag(g)
 
 
 def parse_counts(text: str) -> list[int]:
@@ -64,10 +66,9 @@ def parse_counts(text: str) -> list[int]:
 def _keys_set_by_user(config_file: str | None, overrides: list[str]) -> set[str]:
     keys = {o.split("=", 1)[0] for o in overrides}
     if config_file:
-        import yaml
+        from ddpkit.config_yaml import read_config_file
 
-        tree = yaml.safe_load(Path(config_file).read_text(encoding="utf-8")) or {}
-        keys |= set(flatten(tree)) if isinstance(tree, dict) else set()
+        keys |= set(flatten(read_config_file(config_file)))  # bounded: size, aliases, nesting
     return keys
 
 
@@ -196,7 +197,8 @@ def figure(results: list[dict[str, Any]], title: str):
 def bench_command(cfg, args) -> int:
     """`ddpkit bench --nproc 1,2,4`: one training per count, the scaling table on stdout (+ JSON, PNG)."""
     counts = parse_counts(args.nproc)
-    json_out, png_out = check_output(args.json, ".json", "--json"), check_output(args.out, ".png", "--out")
+    json_out = check_output(args.json, ".json", "--json", args.force)
+    png_out = check_output(args.out, ".png", "--out", args.force)
     user = _keys_set_by_user(args.config, args.overrides)
     dataset = _value(cfg, user, "data.dataset")
     if args.steps is not None and args.steps < 1:
@@ -220,6 +222,7 @@ def bench_command(cfg, args) -> int:
     where = f"{results[0]['backend']}, {results[0]['device']}"
     title = f"ddpkit bench ({where}, {dataset}, model.arch={_value(cfg, user, 'model.arch')})"
     doc = {
+        "generated_by": "ddpkit bench",
         "dataset": dataset,
         "steps_per_epoch": steps if dataset == "synthetic" else None,
         "overrides": list(args.overrides),

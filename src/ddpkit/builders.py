@@ -47,7 +47,15 @@ def make_model(
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
     seed_model_init(cfg.seed)
     num_classes = cfg.model.num_classes or spec.num_classes
-    model = models.build_model(cfg, num_classes, spec.in_channels, spec.image_size, report=report)
+    model = models.build_model(
+        cfg,
+        num_classes,
+        spec.in_channels,
+        spec.image_size,
+        report=report,
+        vocab_size=spec.vocab_size,
+        block_size=spec.block_size,
+    )
     return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
 
 

@@ -27,6 +27,7 @@ PROBE_S = "DDPKIT_PROBE_S"
 DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
 LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
+JOB_DIR = "DDPKIT_JOB_DIR"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launch.spawn, distributed.spawn (spawn workers)", "distributed.env",
@@ -47,6 +48,8 @@ CHANNELS: tuple[Channel, ...] = (
             "seconds a rank waits for the master's port to accept a connection (default 30)"),
     Channel(DEBUG, "the user", "distributed.launch, distributed.peers",
             "set: torch's agent and store keep their own log lines"),
+    Channel(JOB_DIR, "distributed.stacks (the launcher, while workers run)", "distributed.stacks (workers)",
+            "the launcher's job folder: each worker leaves its pid, its SIGUSR2 stack dumps and its error line"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "distributed.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
     Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",

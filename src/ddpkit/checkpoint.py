@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -10,7 +11,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddpkit.atomicio import atomic_write
+from ddpkit.atomicio import atomic_write, sweep_temporaries
 from ddpkit.errors import UserError, first_line
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.(pt|dcp)$")
@@ -112,6 +113,11 @@ def load_checkpoint(
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:  # permissions, I/O errors: the file is there but cannot be read
+        if e.errno == errno.EINVAL:  # torch's zip reader on a file cut short: not the disk's fault
+            raise UserError(
+                f"checkpoint '{path}' is unreadable: it is truncated or damaged",
+                "point to a complete checkpoint written by ddpkit train",
+            ) from None
         raise UserError(
             f"cannot read checkpoint '{path}': {e.strerror or e}", "check the file's permissions and disk"
         ) from None
@@ -120,6 +126,15 @@ def load_checkpoint(
             f"checkpoint '{path}' is unreadable: {unreadable_reason(e)}",
             "point to a complete checkpoint written by ddpkit train",
         ) from None
+    if isinstance(state, dict):
+        from ddpkit.checkpoint_fields import wrong_field
+
+        wrong = wrong_field(state, training="epoch" in require)
+        if wrong:
+            raise UserError(
+                f"checkpoint '{path}' is unreadable: {wrong}",
+                "point to a complete checkpoint written by ddpkit train",
+            )
     if require:
         missing = [k for k in require if not isinstance(state, dict) or k not in state]
         if missing:
@@ -228,13 +243,14 @@ class CheckpointDir:
         return sorted(lasts, key=_mtime, reverse=True) + self.epoch_files()
 
     def sweep(self) -> None:
-        """Remove the temporaries of saves that were killed half-way (a folder renamed aside goes back)."""
-        from ddpkit.dcp_io import remove_temporaries, restore_aside
+        """Remove the temporaries of saves that were killed half-way, only the names ddpkit makes (a folder
+        renamed aside goes back)."""
+        from ddpkit.dcp_io import restore_aside
 
-        if self.dir.is_dir():
+        if self.dir.is_dir() and not self.dir.is_symlink():
             for old in self.dir.glob(".*.dcp.prev"):
                 restore_aside(self.dir / old.name[1 : -len(".prev")])
-            remove_temporaries(self.dir)
+        sweep_temporaries(self.dir)
 
     def newest_complete(self, warn=print) -> tuple[Path, dict[str, Any]] | None:
         """last.pt if it loads, else the newest epoch file that does; says which broken files it passed over

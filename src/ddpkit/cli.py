@@ -190,14 +190,17 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
+    from ddpkit.distributed import stacks
     from ddpkit.distributed.signals import die_with_launcher
 
     die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
+    stacks.arm()  # SIGUSR2 dumps this process's Python stack
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = run(argv)
     except UserError as e:
-        print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
+        if not stacks.say_error(f"ddpkit: error: {e.line()}"):  # a worker's: its launcher says it once
+            print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
         code = e.exit_code
     except Failure as e:
         if e.report:  # one line for the job: the raiser decided whether this process says it

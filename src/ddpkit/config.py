@@ -27,7 +27,9 @@ class DataConfig:
     dataset: str = opt(
         "digits",
         "digits (scikit-learn's 8x8 handwritten digits, shipped with it), synthetic (generated), cifar10, "
-        "cifar100, mnist, imagefolder (data.root/train/CLASS/* and data.root/val/CLASS/*), or a data set "
+        "cifar100, mnist, imagefolder (data.root/train/CLASS/* and data.root/val/CLASS/*), text (characters of "
+        "data.root, a UTF-8 file or folder; left at its default: the running Python's standard-library sources, "
+        "for model.arch=gpt), or a data set "
         "registered with ddpkit.data.register_dataset or the ddpkit.datasets entry point",
         nonblank=True,
     )
@@ -50,6 +52,12 @@ class DataConfig:
         True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
     )
     block_size: int = opt(128, "text: characters of context per sample", gt=1)
+    text_bytes: int = opt(
+        1_000_000,
+        "text: read at most this many bytes of data.root (or of the default source)",
+        gt=0,
+        le=2**30,
+    )
     skip_corrupt: bool = opt(
         False,
         "false: an undecodable sample (a damaged image file) is an error naming the file; true: it is left "
@@ -64,7 +72,8 @@ class ModelConfig:
     arch: str = opt(
         "cnn",
         "cnn (small built-in CNN), mlp (built-in, no normalisation or dropout layers), a torchvision "
-        "classification model (resnet18, resnet50, ...), or timm:NAME when timm is installed",
+        "classification model (resnet18, resnet50, ...), timm:NAME when timm is installed, or gpt (the built-in "
+        "GPT-2-style decoder, for data.dataset=text)",
         aka=("type", "name"),
     )
     num_classes: int | None = opt(None, "output classes; null: the data set's", gt=0)

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ddpkit.atomicio import fsync_dir, umask
+from ddpkit.atomicio import fsync_dir, sweep_temporaries, umask
 from ddpkit.errors import UserError
 
 METADATA = ".metadata"
@@ -197,9 +197,6 @@ def restore_aside(target: Path) -> None:
 
 
 def remove_temporaries(folder: Path) -> None:
-    """Remove the temporary files and folders of saves that were killed half-way."""
-    for tmp in folder.glob(".*.tmp"):
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+    """Remove the temporary files and folders of saves that were killed half-way (only the names ddpkit makes:
+    atomicio.sweep_temporaries)."""
+    sweep_temporaries(folder)

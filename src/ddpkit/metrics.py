@@ -27,42 +27,51 @@ METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what
     "val_loss",
     "val_acc1",
     "val_acc5",
+    "val_ppl",
     "val_samples",
     "epoch_time_s",
     "train_images_per_s",
+    "train_tokens_per_s",
     "skipped_samples",
 )
 
 
 class RunningSums:
-    """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once."""
+    """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once.
 
-    def __init__(self, device: torch.device):
+    The count is of samples (classification) or of tokens (a language model, `accuracy=False`: no accuracy).
+    """
+
+    def __init__(self, device: torch.device, accuracy: bool = True):
         self.t = torch.zeros(3, dtype=torch.float64, device=device)
+        self.accuracy = accuracy
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
-        n = target.shape[0]
+        """A classification batch: its mean loss, logits (N, classes) and labels."""
+        self.count(loss, (logits.detach().argmax(dim=1) == target).sum(), target.shape[0])
+
+    def count(self, loss: torch.Tensor, correct: torch.Tensor | int, n: int) -> None:
+        """A batch of `n` counted units with mean loss `loss`, `correct` of them right."""
         self.t[0] += loss.detach().double() * n
-        self.t[1] += (logits.detach().argmax(dim=1) == target).sum()
+        self.t[1] += correct
         self.t[2] += n
 
-    def local(self) -> tuple[float, float, int]:
-        """(mean loss, accuracy, count) of this rank so far; one host sync."""
+    def local(self) -> tuple[float, float | None, int]:
+        """(mean loss, accuracy or None, count) of this rank so far; one host sync."""
         loss, correct, n = self.t.tolist()
-        return (loss / n, correct / n, int(n)) if n else (math.nan, math.nan, 0)
+        if not n:
+            return math.nan, math.nan if self.accuracy else None, 0
+        return loss / n, correct / n if self.accuracy else None, int(n)
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every epoch line of out_dir/metrics.jsonl (skipping a torn last line)."""
-    path = Path(out_dir) / "metrics.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
+    from ddpkit.metrics_file import read_lines
+
+    try:
+        return read_lines(Path(out_dir) / "metrics.jsonl").rows
+    except (OSError, ValueError):
+        return []
 
 
 def silence_stdout() -> None:
@@ -73,6 +82,13 @@ def silence_stdout() -> None:
         os.close(fd)
     except (OSError, ValueError):
         pass
+
+
+def append_own(path: Path) -> TextIO:
+    """Open one of ddpkit's own text files for appending, never through a symlink (atomicio.open_own)."""
+    from ddpkit.atomicio import open_own
+
+    return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -110,7 +126,7 @@ class RunLog:
             return
         path = self.out_dir / "log.txt"
         with naming(path):
-            self._log = open(path, "a", encoding="utf-8")
+            self._log = append_own(path)
             self._log.writelines(self._early)
             self._log.flush()
         self._early = []
@@ -167,12 +183,14 @@ class RunLog:
             self._console(lambda: bar.update(1))
             if sums is not None and step_in_epoch % every == 0:
                 loss, acc, _ = sums.local()
-                self._console(lambda: bar.set_postfix(loss=f"{loss:.3f}", acc=f"{100 * acc:.2f}%"))
+                shown = {"loss": f"{loss:.3f}"} | ({"acc": f"{100 * acc:.2f}%"} if acc is not None else {})
+                self._console(lambda: bar.set_postfix(**shown))
         elif sums is not None and (step_in_epoch % every == 0 or step_in_epoch == steps):
             loss, acc, _ = sums.local()
             w = len(str(steps))
             self.info(
-                f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f} | acc: {100 * acc:.3f}%"
+                f"== step: [{step_in_epoch:>{w}}/{steps}] [{epoch}/{epochs}] | loss: {loss:.3f}"
+                + (f" | acc: {100 * acc:.3f}%" if acc is not None else "")
             )
 
     def epoch_end(self) -> None:
@@ -185,7 +203,7 @@ class RunLog:
         if not self.active:
             return
         path = self.out_dir / "metrics.jsonl"
-        with naming(path), open(path, "a", encoding="utf-8") as fh:
+        with naming(path), append_own(path) as fh:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -145,9 +145,29 @@ class ModelFamily:
     check: Callable[[str], None] = lambda arch: None  # UserError for a name it owns but cannot build
     names: Callable[[], list[str]] = list  # names to suggest for a mistyped arch
     torchvision_weights: bool = False  # model.pretrained=torchvision applies
+    # a language model's family: (arch, vocab_size, block_size, cfg.model) -> model; `build` is then unused
+    build_lm: Callable[[str, int, int, Any], nn.Module] | None = None
+
+    @property
+    def tokens(self) -> bool:
+        """Trained on token sequences (data.dataset=text), not on labelled images."""
+        return self.build_lm is not None
 
 
 BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"cnn": SmallCNN, "mlp": build_mlp}
+
+
+def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
+    from ddpkit.gpt import GPT
+
+    return GPT(vocab_size, block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
+
+
+def _no_images(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    raise UserError(
+        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text"
+    )
+
 
 ENTRY_POINT_GROUP = "ddpkit.models"
 
@@ -158,6 +178,9 @@ MODEL_FAMILIES: list[ModelFamily] = [
         owns=lambda arch: arch in BUILTIN,
         build=lambda arch, n, c, size: BUILTIN[arch](n, c, size),
         names=lambda: list(BUILTIN),
+    ),
+    ModelFamily(
+        "gpt", owns=lambda arch: arch == "gpt", build=_no_images, names=lambda: ["gpt"], build_lm=_build_gpt
     ),
     ModelFamily("timm", owns=lambda arch: arch.startswith(TIMM_PREFIX), build=_build_timm, check=_check_timm),
     ModelFamily(
@@ -226,9 +249,35 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
         _check_weights_path(pretrained)
 
 
+def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
+    """A language model needs token data and a classifier images; the GPT's width fits its heads."""
+    from ddpkit.data.registry import get_dataset
+
+    arch, dataset = cfg.model.arch, cfg.data.dataset
+    tokens = get_dataset(dataset).tokens
+    if family.tokens and not tokens:
+        raise UserError(
+            f"model.arch={arch} is a language model, but data.dataset={dataset} holds images",
+            "use data.dataset=text",
+        )
+    if tokens and not family.tokens:
+        raise UserError(
+            f"data.dataset={dataset} holds text, but model.arch={arch} classifies images",
+            "use model.arch=gpt",
+        )
+    m = cfg.model
+    if family.tokens and m.n_embd % m.n_head:
+        raise UserError(
+            f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
+            "pick n_embd = n_head x the width of one head",
+        )
+
+
 def check_arch(cfg: Config) -> None:
     """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
-    _check_pretrained(cfg, model_family(cfg.model.arch))
+    family = model_family(cfg.model.arch)
+    _check_data_kind(cfg, family)
+    _check_pretrained(cfg, family)
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -240,15 +289,26 @@ def build_model(
     in_channels: int,
     image_size: int,
     report: Callable[[str], None] | None = None,
+    *,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
 ) -> nn.Module:
     """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set.
 
-    `report` receives the line saying what the pretrained weights filled in (default: the `ddpkit.models` logger).
+    A language model (model.arch=gpt) takes `vocab_size` and `block_size` (the data's) instead of the classes and
+    image shape. `report` receives the line saying what the pretrained weights filled in (default: the
+    `ddpkit.models` logger).
     """
     arch, pretrained = cfg.model.arch, cfg.model.pretrained
     family = model_family(arch)
+    _check_data_kind(cfg, family)
     _check_pretrained(cfg, family)
-    model = family.build(arch, num_classes, in_channels, image_size)
+    if family.build_lm is not None:
+        if vocab_size is None or block_size is None:
+            raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
+        model = family.build_lm(arch, vocab_size, block_size, cfg.model)
+    else:
+        model = family.build(arch, num_classes, in_channels, image_size)
     if pretrained == "torchvision":
         (report or log.info)(
             load_matching(model, _torchvision_weights(arch), f"torchvision's default {arch} weights")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.data.loaders import DistributedLoader
+from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.data.roles import prepare_loader, remember_model, roles_for
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
@@ -76,6 +76,47 @@ def _wrapped(model: nn.Module) -> bool:
     return unwrap_module(model) is not model
 
 
+def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
+    """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
+    from ddpkit.parallel.pipeline_api import PipelineModel
+
+    if not pp_split or loss_fn is None:
+        raise UserError(
+            f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",
+            "e.g. prepare(model, opt, loader, pp=2, pp_split=['layers.2'], loss_fn=F.cross_entropy)",
+        )
+    if strategy not in ("auto", "ddp"):
+        raise UserError(
+            f"ddpkit.prepare(pp={pp}) runs DDP over the data-parallel replicas, not strategy='{strategy}'",
+            "drop the strategy argument",
+        )
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) != 1:
+        raise UserError(
+            f"ddpkit.prepare(pp={pp}) takes exactly one model", "pass the model to cut into stages"
+        )
+    ctx = _context()
+    piped = PipelineModel(
+        models[0].to(ctx.device),
+        pp_split,
+        pp=pp,
+        loss_fn=loss_fn,
+        schedule=schedule,
+        microbatches=microbatches,
+        device=ctx.device,
+    )
+    rank, world = piped.data_rank
+    ready = []
+    for obj in objects:
+        if obj is models[0]:
+            ready.append(piped)
+        elif isinstance(obj, DataLoader | DistributedLoader):
+            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world))
+        else:
+            ready.append(obj)
+    return ready[0] if len(ready) == 1 else ready
+
+
 def prepare(
     *objects: Any,
     strategy: str = "auto",
@@ -83,6 +124,11 @@ def prepare(
     seed: int = 0,
     ddp_options: dict | None = None,
     roles: Sequence[str] | None = None,
+    pp: int = 1,
+    pp_split: list[str] | None = None,
+    loss_fn: Any = None,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int | None = None,
 ) -> Any:
     """Each object ready for this process, returned in the order given (one object: returned alone).
 
@@ -93,7 +139,13 @@ def prepare(
     "train" or "eval"; data/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
     anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
     process group if nobody did.
+
+    pp > 1: the model is cut into `pp` pipeline stages where each module named in `pp_split` begins and comes
+    back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline_api); `loss_fn(output,
+    target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
     """
+    if pp != 1:
+        return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
     if strategy != "auto":
         try:
             get_strategy(strategy, key="strategy")

@@ -22,7 +22,10 @@ from typing import Any
 
 from ddpkit import channels
 from ddpkit.errors import UserError
+from ddpkit.outputs import MARKER, add_force_flag, check_output
 from ddpkit.parallel.strategy import resolve_strategy
+
+__all__ = ["check_output"]  # bench's outputs are checked the same way
 
 MAX_METRICS_BYTES = 64 << 20
 MAX_CONFIG_BYTES = 1 << 20
@@ -60,40 +63,41 @@ def _bad(path: Path, what: str) -> UserError:
     return UserError(f"'{path}' {what}", "pass the out_dir of a `ddpkit train` run that finished an epoch")
 
 
-def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the numbering went back)."""
-    if path.stat().st_size > MAX_METRICS_BYTES:
-        raise _bad(path, f"is larger than {MAX_METRICS_BYTES >> 20} MiB; not a ddpkit metrics file")
+def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
+    """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the numbering went back).
+    Lines that are not ddpkit's epoch lines (foreign, damaged, a non-number where a number goes) are skipped
+    and counted in one warning through `warn`."""
+    from ddpkit.metrics_file import read_lines
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise _bad(path, f"cannot be read: {e}") from None
+        lines = read_lines(path)
+    except (OSError, ValueError) as e:
+        raise _bad(path, f"cannot be read: {getattr(e, 'strerror', None) or e}") from None
     by_epoch: dict[int, dict[str, Any]] = {}
     restarts: list[int] = []
     last = 0
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    for row, number in zip(lines.rows, lines.numbers, strict=True):
+        if any(_not_number(row.get(key)) for key in _NUMERIC):
+            lines.skipped.append(number)
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):  # a torn last line (the run was killed mid-write): not an epoch yet
-                continue
-            raise _bad(path, f"line {i} is not JSON") from None
-        epoch = row.get("epoch") if isinstance(row, dict) else None
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
-            raise _bad(path, f"line {i} has no epoch number (>= 1)")
-        for key in _NUMERIC:
-            v = row.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise _bad(path, f"line {i}: {key} is not a number")
+        epoch = row["epoch"]
         if epoch <= last:
             restarts.append(epoch - 1)
         last = epoch
         by_epoch[epoch] = row
     if not by_epoch:
-        raise _bad(path, "holds no epoch yet")
+        n = len(lines.skipped)
+        raise _bad(
+            path, "holds no epoch yet" + (f" ({n} line(s) that are not ddpkit metrics skipped)" if n else "")
+        )
+    note = lines.note(path)
+    if note and warn is not None:
+        warn(note)
     return [by_epoch[e] for e in sorted(by_epoch)], restarts
+
+
+def _not_number(v: Any) -> bool:
+    return v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
 
 
 def _resumes_in_log(path: Path) -> list[int]:
@@ -125,25 +129,21 @@ def flatten(tree: Any, prefix: str = "", out: dict[str, Any] | None = None) -> d
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], str]:
-    import yaml
+    """A run's config.yaml through the bounded reader (size, aliases, nesting): flattened, and its text."""
+    from ddpkit.bounded import read_yaml_file
 
     if not path.is_file():
         raise _bad(path.parent, "has no config.yaml")
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise _bad(path, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a ddpkit config")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        first = str(e).strip().splitlines()[0]
-        raise _bad(path, f"is not valid YAML: {first}") from None
+    tree = read_yaml_file(path, f"'{path}'", "pass the out_dir of a `ddpkit train` run")
     if not isinstance(tree, dict):
         raise _bad(path, "is not a YAML mapping")
-    return flatten(tree), text
+    return flatten(tree), path.read_text(encoding="utf-8", errors="replace")
 
 
-def load_run(path: str | os.PathLike, with_config: bool = True) -> Run:
-    """Read one run directory; UserError when it is not one."""
+def load_run(path: str | os.PathLike, with_config: bool = True, warn=None) -> Run:
+    """Read one run directory; UserError when it is not one; `warn(line)` hears of skipped metrics lines."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"run directory '{path}' does not exist", "pass the out_dir of a `ddpkit train` run")
@@ -152,28 +152,11 @@ def load_run(path: str | os.PathLike, with_config: bool = True) -> Run:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise _bad(path, "has no metrics.jsonl")
-    rows, restarts = _read_rows(metrics)
+    rows, restarts = _read_rows(metrics, warn)
     last = rows[-1]["epoch"]
     resumed = sorted({e for e in restarts + _resumes_in_log(path / "log.txt") if 1 <= e < last})
     config, text = _read_config(path / "config.yaml") if with_config else ({}, "")
     return Run(path, rows, resumed, config, text)
-
-
-def check_output(path: str | os.PathLike | None, suffix: str, flag: str) -> Path | None:
-    """An output path the user named: right suffix, an existing folder, not a directory itself."""
-    if path is None:
-        return None
-    path = Path(path)
-    if path.suffix.lower() != suffix:
-        raise UserError(f"{flag} '{path}' does not end in {suffix}", f"name a {suffix} file")
-    if path.is_dir():
-        raise UserError(f"{flag} '{path}' is a directory", f"name a {suffix} file")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"{flag} '{path}': folder '{parent}' does not exist", "create it first")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} '{path}': folder '{parent}' is not writable", "choose another place")
-    return path
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -355,7 +338,7 @@ def png_bytes(fig) -> bytes:
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=FIG_DPI)
+    fig.savefig(buf, format="png", dpi=FIG_DPI, metadata={"Software": f"{MARKER} (matplotlib)"})
     return buf.getvalue()
 
 
@@ -434,7 +417,7 @@ def html_page(png: bytes, head: list[str], body: list[list[str]], runs: list[Run
         "td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}img{max-width:100%}"
     )
     return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
+        f'<!DOCTYPE html>\n<!-- {MARKER} report -->\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
         f"<style>{style}</style></head><body><h1>ddpkit report</h1>"
         f'<img alt="training curves" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
         f"<h2>Runs</h2><table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
@@ -452,6 +435,13 @@ def add_flags(parser) -> None:
     g.add_argument("--html", metavar="FILE.html", help="also write one self-contained HTML page")
     g.add_argument("--json", metavar="FILE.json", help="also write the table and the plotted data as JSON")
     g.add_argument("--target", type=float, metavar="ACC", help="val_acc1 to reach, in (0, 1], e.g. 0.98")
+    add_force_flag(g)
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def report_command(cfg, args) -> int:
@@ -460,14 +450,14 @@ def report_command(cfg, args) -> int:
     if target is not None and not 0 < target <= 1:
         raise UserError(f"--target {target} is not in (0, 1]", "accuracies are fractions, e.g. --target 0.98")
     outs = [
-        check_output(args.out, ".png", "--out"),
-        check_output(args.html, ".html", "--html"),
-        check_output(args.json, ".json", "--json"),
+        check_output(args.out, ".png", "--out", args.force),
+        check_output(args.html, ".html", "--html", args.force),
+        check_output(args.json, ".json", "--json", args.force),
     ]
     paths = [Path(d).resolve() for d in args.run_dirs]
     if len(set(paths)) < len(paths):
         raise UserError("the same run directory is given twice", "name each run once")
-    runs = [load_run(d) for d in args.run_dirs]
+    runs = [load_run(d, warn=_stderr) for d in args.run_dirs]
     keys = differing_keys(runs)
     names = labels(runs, keys)
     summary = [summarize(r, n, keys, target) for r, n in zip(runs, names, strict=True)]
@@ -477,7 +467,7 @@ def report_command(cfg, args) -> int:
     if outs[1] is not None:
         write_bytes(outs[1], html_page(png, head, body, runs, names).encode("utf-8"))
     if outs[2] is not None:
-        doc = {"target": target, "differing_keys": keys, "runs": summary}
+        doc = {"generated_by": "ddpkit report", "target": target, "differing_keys": keys, "runs": summary}
         write_bytes(outs[2], (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
     print(markdown(head, body))
     print(

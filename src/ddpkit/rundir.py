@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from ddpkit.atomicio import TEMP_RE
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
 from ddpkit.errors import Failure, UserError, describe_os_error
-from ddpkit.runlock import RunLock, check_free, read_holder, same_job
+from ddpkit.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true
 RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png")
@@ -99,9 +101,45 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
     ckpts = out / "checkpoints"
     if ckpts.exists() and not ckpts.is_dir():
         raise UserError(f"'{ckpts}' is not a folder", "move it away, or choose another out_dir")
+    check_own_files(out)
     for path in [existing, ckpts, out / "log.txt", out / "metrics.jsonl"]:
         if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
             raise _unwritable(out, path)
+
+
+OWN_FILES = (LOCK_NAME, "config.yaml", "log.txt", "metrics.jsonl", "curves.png")
+OWN_FOLDERS = ("checkpoints", "tensorboard", PREVIOUS)
+
+
+def _kind(path: Path) -> str | None:
+    """'a symlink', 'a folder', 'not a regular file' or None (a regular file, or nothing)."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def check_own_files(out: Path) -> None:
+    """UserError when a name where ddpkit writes its own file or folder in out_dir holds a symlink or something
+    of the wrong kind: ddpkit would write through it into a file that is not its own. Reads only."""
+    own = [(out / n, None) for n in OWN_FILES] + [(out / n, "a folder") for n in OWN_FOLDERS]
+    ckpts = out / "checkpoints"
+    if _kind(ckpts) == "a folder":
+        # a checkpoint is a file, or a folder (checkpoint.format=sharded, .dcp): never a symlink
+        ours = (".pt", ".dcp", ".dcp.prev")
+        own += [(p, "either") for p in ckpts.iterdir() if p.name.endswith(ours) or TEMP_RE.match(p.name)]
+    for path, want in own:
+        kind = _kind(path)
+        if kind is not None and kind != want and not (want == "either" and kind == "a folder"):
+            raise UserError(
+                f"'{path}' is {kind}, where ddpkit keeps its own {'folder' if want == 'a folder' else 'file'}",
+                "move it away (ddpkit never writes through symlinks), or choose another out_dir",
+            )
 
 
 @dataclass(frozen=True)

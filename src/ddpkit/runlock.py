@@ -88,11 +88,36 @@ def _gone(who: dict[str, Any]) -> bool:
     return False
 
 
+MAX_LOCK_BYTES = 4096  # what a holder writes is about 100 bytes
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened read-write without following a symlink; UserError when it is not ddpkit's."""
+    from ddpkit.atomicio import NotOwnFile, open_own
+
+    try:
+        fd = open_own(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except NotOwnFile as e:
+        raise UserError(f"'{path}' is {e.strerror}", "remove it; ddpkit makes this file itself") from None
+    if os.fstat(fd).st_size > MAX_LOCK_BYTES:
+        os.close(fd)
+        raise UserError(
+            f"'{path}' is larger than a ddpkit lock file ({MAX_LOCK_BYTES} bytes)",
+            "remove it; ddpkit makes this file itself",
+        )
+    return fd
+
+
+def _whole(fd: int) -> bytes:
+    """Every byte of the (small) lock file, so that an undo puts back exactly what was there."""
+    return os.pread(fd, os.fstat(fd).st_size + 1, 0)
+
+
 def check_free(out_dir: str | os.PathLike) -> None:
     """UserError when a live run holds out_dir (a test that writes nothing: for the launcher, before workers)."""
     out = Path(out_dir)
     try:
-        fd = os.open(out / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(out / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:  # no lock file: nobody holds it (rank 0 reports any other trouble)
         return
     try:
@@ -122,8 +147,8 @@ class RunLock:
         """
         deadline = time.monotonic() + wait_s
         while True:
-            existed = self.path.exists()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            existed = os.path.lexists(self.path)
+            fd = _open_lock(self.path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -148,7 +173,7 @@ class RunLock:
             os.close(fd)
         self.fd = fd
         _HELD.add(fd)
-        self._before = os.pread(fd, 1 << 16, 0) if existed else None
+        self._before = _whole(fd) if existed else None
         previous = _holder(fd)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id()}
         self._write(json.dumps({**me, "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n")
@@ -164,7 +189,7 @@ class RunLock:
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
-            if undo and self._before is None:
+            if undo and self._before is None and _same_file(self.fd, self.path):
                 self.path.unlink(missing_ok=True)
             elif undo:
                 self._write(self._before or b"")
@@ -173,10 +198,19 @@ class RunLock:
         self.fd = None
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """`path` still names the file open as `fd` (so an unlink removes ours, not a file put there since)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def read_holder(out_dir: str | os.PathLike) -> dict[str, Any]:
     """What the lock file of out_dir says of its last holder ({} when none); reads only."""
     try:
-        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return {}
     try:

@@ -1,7 +1,7 @@
 """Where a training run stands, saved in every checkpoint so that a rerun continues exactly.
 
 Epoch (finished epochs), optimizer step, the position in the current epoch (the train loader's own
-state_dict), the current epoch's partial train sums, the best val_acc1 and every rank's RNG streams.
+state_dict), the current epoch's partial train sums, the best val_acc1 (classification) or val_loss (language model) and every rank's RNG streams.
 """
 
 from __future__ import annotations
@@ -17,22 +17,30 @@ from ddpkit.rng import rng_state, set_rng_state
 if TYPE_CHECKING:
     from ddpkit.data import DistributedLoader
 
-STATE_KEYS = ("epoch", "step", "consumed", "partial_sums", "best_acc1", "world_size", "rng")
+STATE_KEYS = ("epoch", "step", "consumed", "partial_sums", "best_acc1", "best_val_loss", "world_size", "rng")
 
 
 class TrainState:
     """The resumable part of a run; state_dict() and load_state_dict() carry it through a checkpoint."""
 
     def __init__(
-        self, loader: DistributedLoader, seed: int, rank: int, world_size: int, device: torch.device
+        self,
+        loader: DistributedLoader,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        accuracy: bool = True,
     ):
         self.loader = loader  # its state_dict() is the position in the epoch
         self.seed, self.rank, self.world_size, self.device = seed, rank, world_size, device
+        self.accuracy = accuracy  # classification; False: a language model's sums count tokens
         self.epoch = 0  # finished epochs
         self.step = 0  # optimizer steps taken
         self.best_acc1 = -1.0
+        self.best_val_loss: float | None = None
         # This epoch's train loss/correct/count (rank 0 also holds those from before a resume) ...
-        self.sums = RunningSums(device)
+        self.sums = RunningSums(device, accuracy)
         self.resumed_samples = 0  # ... and how many samples those were
 
     @property
@@ -48,7 +56,7 @@ class TrainState:
         # Augmentation and dropout streams: a function of (seed, rank, epoch), so a resumed run repeats them.
         seed_everything(derive_seed(self.seed, self.rank, epoch))
         self.loader.set_epoch(epoch)
-        self.sums, self.resumed_samples = RunningSums(self.device), 0
+        self.sums, self.resumed_samples = RunningSums(self.device, self.accuracy), 0
 
     def end_epoch(self, epoch: int) -> bool:
         """After the train loop of epoch `epoch`: True (and the epoch counts as finished) unless it stopped early."""
@@ -57,10 +65,11 @@ class TrainState:
         self.epoch = epoch
         return True
 
-    def epoch_means(self) -> tuple[float, float, int]:
-        """(train loss, train acc1, samples) of this epoch so far, over all ranks (collective)."""
+    def epoch_means(self) -> tuple[float, float | None, int]:
+        """(train loss, train acc1 or None, samples or tokens) of this epoch so far, over all ranks (collective)."""
         loss, correct, count = all_reduce_sum(self.sums.t).tolist()
-        return (loss / count, correct / count, int(count)) if count else (float("nan"), float("nan"), 0)
+        acc = (correct / count if count else float("nan")) if self.accuracy else None
+        return (loss / count if count else float("nan")), acc, int(count)
 
     def describe(self) -> str:
         """`epoch 2, 640 samples into epoch 3, step 47`."""
@@ -76,6 +85,7 @@ class TrainState:
             "consumed": consumed,
             "partial_sums": all_reduce_sum(self.sums.t).tolist() if consumed else None,
             "best_acc1": self.best_acc1,
+            "best_val_loss": self.best_val_loss,
             "world_size": self.world_size,
             "rng": all_gather_object(rng_state()),
         }
@@ -84,9 +94,11 @@ class TrainState:
         """Continue from state_dict() (checkpoints without the mid-epoch entries start at the next epoch)."""
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.best_acc1 = float(state.get("best_acc1", -1.0))
+        best_loss = state.get("best_val_loss")  # absent from older checkpoints
+        self.best_val_loss = float(best_loss) if best_loss is not None else None
         consumed = int(state.get("consumed") or 0)
         self.loader.load_state_dict({"epoch": self.epoch + 1, "consumed": consumed})
-        self.sums, self.resumed_samples = RunningSums(self.device), 0
+        self.sums, self.resumed_samples = RunningSums(self.device, self.accuracy), 0
         if not consumed:
             return
         rng = state.get("rng")

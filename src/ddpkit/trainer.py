@@ -33,19 +33,22 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
+from ddpkit.memory import MemoryProbe
 from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.rundir import RunDir
+from ddpkit.tasks import Task, task_for
 from ddpkit.train_state import TrainState
 
-VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_samples")
+VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
 
 # ------------------------------------------------------------------------------------------------- trainer
 
 
 class Trainer:
-    """Fit a classifier on the configured data with the configured parallel strategy.
+    """Fit a classifier or a language model on the configured data with the configured parallel strategy.
 
     `heartbeat`: the caller's (it stays open); without one the Trainer makes its own and closes it after fit().
     """
@@ -54,6 +57,7 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(
             cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
@@ -62,31 +66,32 @@ class Trainer:
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
         self.build()
-        self.state = TrainState(self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device)
+        self.state = TrainState(
+            self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device, self.task.accuracy
+        )
         ck = cfg.checkpoint
         self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
         """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
-        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
-        self.strategy = build_strategy(
-            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
-        )
-        self.wrapped = self.strategy.wrap(self.model)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
+        self.autocast = make_autocast(self.device, cfg.train.amp)
+        replica, self.replicas = self._build_model()
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
         self.train_loader, self.val_loader = data.build_loaders(
-            cfg, ctx.rank, ctx.world_size, self.train_set, self.val_set
+            cfg, replica, self.replicas, self.train_set, self.val_set
         )
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
-        self.global_batch = optim.global_batch_size(cfg.train.batch_size, ctx.world_size, accum)
+        self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
         self.lr = optim.scaled_lr(cfg.optim.lr, self.global_batch, cfg.optim.ref_batch_size)
         self.total_steps = optim.total_steps(cfg.train.epochs, self.steps_per_epoch, cfg.train.max_steps)
         self.optimizer = self.strategy.build_optimizer(
@@ -94,9 +99,25 @@ class Trainer:
         )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-        self.autocast = make_autocast(self.device, cfg.train.amp)
         startup.mark("model")
+
+    def _build_model(self) -> tuple[int, int]:
+        """The model, the strategy and the wrapped model; returns (this rank's data-parallel replica, replicas):
+        what the loaders shard by (under a pipeline the ranks of one pipeline read the same samples)."""
+        cfg, ctx = self.cfg, self.ctx
+        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        self.pipeline = None
+        if cfg.dist.pp > 1:
+            shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
+            self.pipeline = pipeline_trainer.build(cfg, ctx, self.model, self.task, self.autocast, shape)
+            self.model, self.strategy = self.pipeline.modules, pipeline_trainer.Strategy(ctx, self.pipeline)
+            self.wrapped = self.model
+            return self.pipeline.coords["dp"], self.pipeline.layout.dp
+        self.strategy = build_strategy(
+            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+        )
+        self.wrapped = self.strategy.wrap(self.model)
+        return ctx.rank, ctx.world_size
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -165,6 +186,30 @@ class Trainer:
 
     def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
+        if self.pipeline is not None:
+            pipeline_trainer.forward_backward(self, micro_batches)
+        else:
+            self._forward_backward(micro_batches)
+        if self.nonfinite.skip_step(self.state.step + 1):
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.memory.before_step(self.model)
+            if self.cfg.train.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                # a pipeline's norm is over every stage's gradients
+                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_local
+                clip(self.cfg.train.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.memory.after_step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.state.step += 1
+
+    def _clip_local(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
         self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
@@ -173,25 +218,16 @@ class Trainer:
             with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
                 with self.autocast():
                     logits = self.wrapped(x)
-                loss = self.criterion(logits.float(), y)
+                loss = self.task.loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
-            self.state.sums.add(loss, logits, y)
+            self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
-        if self.nonfinite.skip_step(self.state.step + 1):
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            if self.cfg.train.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-        self.state.step += 1
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
+        if self.pipeline is not None:
+            return pipeline_trainer.evaluate(self)
         return evaluate(
             self.strategy.eval_module(self.wrapped),
             self.val_loader,
@@ -200,16 +236,16 @@ class Trainer:
             self.autocast,
             self.strategy.collective_forward,
             self.cfg.model.channels_last,
+            task=self.task,
         )
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
         """Save everything a rerun needs (collective): between epochs epoch_NNNN.pt and last.pt, inside an
-        epoch last.pt only; best.pt too when `row` (the metrics line it carries) has the best val_acc1.
+        epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
+        highest val_acc1; for a language model the lowest val_loss).
         checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
-        best = row is not None and row["val_acc1"] is not None and row["val_acc1"] > self.state.best_acc1
-        if best:
-            self.state.best_acc1 = row["val_acc1"]
+        best = row is not None and self.task.improves(row, self.state)
         rest = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -289,47 +325,43 @@ class Trainer:
         return epoch % every == 0 or epoch == last or self.state.step >= self.total_steps
 
     def _banner(self) -> str:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx, d = self.cfg, self.ctx, self.cfg.dist
+        pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if self.pipeline is not None else ""
         return (
             f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {ctx.world_size} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
+            f"strategy {self.strategy.name}{pipe}, global batch {self.global_batch} "
+            f"({cfg.train.batch_size} x {self.replicas} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
 
-    def _metrics_row(self, epoch: int, train: tuple[float, float, int], val: dict, elapsed: float) -> dict:
-        loss, acc1, samples = train
-        samples -= self.state.resumed_samples  # the throughput of this process's part of the epoch
+    def _metrics_row(
+        self, epoch: int, train: tuple[float, float | None, int], val: dict, elapsed: float
+    ) -> dict:
+        loss, acc1, units = train
+        units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
         return {
             "epoch": epoch,
             "step": self.state.step,
             "world_size": self.ctx.world_size,
             "global_batch_size": self.global_batch,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "train_loss": loss,
-            "train_acc1": acc1,
+            **self.task.train_fields(loss, acc1, units, elapsed),
             **val,
             "epoch_time_s": round(elapsed, 4),
-            "train_images_per_s": round(samples / elapsed, 2) if elapsed > 0 else None,
             "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
-            **self._startup_once(),
+            **self._first_line_only(),
         }
 
-    def _startup_once(self) -> dict[str, float]:
-        """The start-up fields for this process's first metrics line, nothing for the others."""
-        if not self.startup:
-            return {}
-        fields, self.startup = self.startup, {}
-        return fields
+    def _first_line_only(self) -> dict[str, float]:
+        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        fields = self.startup or {}
+        if fields:
+            self.startup = {}
+        return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
-        val = row["val_loss"] is not None
-        return (
-            f"epoch {row['epoch']}/{self.cfg.train.epochs} | train loss {row['train_loss']:.4f} "
-            f"acc {100 * row['train_acc1']:.2f}% | "
-            + (f"val loss {row['val_loss']:.4f} acc1 {100 * row['val_acc1']:.2f}% | " if val else "")
-            + f"{row['train_images_per_s']} img/s | {row['epoch_time_s']:.1f}s"
-        )
+        text = self.task.epoch_text(row)
+        return f"epoch {row['epoch']}/{self.cfg.train.epochs} | {text} | {row['epoch_time_s']:.1f}s"
 
     def _finish(self, last: dict[str, Any]) -> dict[str, Any]:
         if not last:
@@ -341,6 +373,11 @@ class Trainer:
         if last.get("val_acc1") is not None:
             self.log.info(
                 f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
+            )
+        elif last.get("val_ppl") is not None:
+            self.log.info(
+                f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
+                f"on {last['val_samples']} samples"
             )
         from ddpkit import report
 
@@ -372,12 +409,16 @@ def evaluate(
     autocast=contextlib.nullcontext,
     collective_forward: bool = False,
     channels_last: bool = False,
+    task: Task | None = None,
 ) -> dict[str, Any]:
-    """Loss, top-1 and top-5 over an exact (duplicate-free) sharded loader, summed over all ranks."""
-    criterion = criterion or nn.CrossEntropyLoss()
+    """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
+    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`."""
+    from ddpkit.tasks import EVAL_WIDTH, Classification
+
+    task = task or Classification(criterion)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    sums = torch.zeros(EVAL_WIDTH, dtype=torch.float64, device=device)
     batches = iter(loader)
     n_local = n_max = len(loader)
     if collective_forward and is_dist():
@@ -395,23 +436,9 @@ def evaluate(
             logits = model(x).float()
         if not len(y):  # every sample of the batch was undecodable and left out (data.skip_corrupt)
             continue
-        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
-        sums += torch.stack(
-            [
-                criterion(logits, y) * y.shape[0],
-                hit[:, 0].sum().double(),
-                hit.any(dim=1).sum().double(),
-                torch.tensor(float(y.shape[0]), device=device, dtype=torch.float64),
-            ]
-        )
-    loss_sum, top1, top5, n = all_reduce_sum(sums).tolist()
+        sums += task.eval_sums(logits, y)
     model.train(was_training)
-    return {
-        "val_loss": loss_sum / n if n else None,
-        "val_acc1": top1 / n if n else None,
-        "val_acc5": top5 / n if n else None,
-        "val_samples": int(n),
-    }
+    return task.val_fields(all_reduce_sum(sums).tolist())
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
 from ddpkit.config import Config, to_dict
+from ddpkit.config_schema import shown
 from ddpkit.errors import Preempted, UserError
 
 K8S_PORT = 23456  # the Training Operator's default MASTER_PORT (container port `pytorchjob-port`)
@@ -201,7 +202,7 @@ def k8s_command(cfg: Config, args) -> int:
         )
     if not args.image.strip() or any(c.isspace() for c in args.image):
         raise UserError(
-            f"--image '{args.image}' is not an image reference",
+            f"--image {shown(args.image)} is not an image reference",
             "use e.g. --image registry.example.com/ddpkit:0.1",
         )
     manifest = pytorchjob_manifest(

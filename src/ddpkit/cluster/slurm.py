@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddpkit.atomicio import atomic_write
 from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
 from ddpkit.config import Config, to_yaml
 from ddpkit.errors import Preempted, UserError
+from ddpkit.outputs import MARKER, add_force_flag, check_output
 
 _TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -43,6 +45,7 @@ def add_flags(parser) -> None:
         "--script", metavar="FILE", help="where to write the script (default: OUT_DIR/slurm/NAME.sbatch)"
     )
     g.add_argument("--submit", action="store_true", help="submit the script with sbatch and print the job id")
+    add_force_flag(g)
 
 
 def _check_time(limit: str | None, signal_before: int) -> None:
@@ -128,7 +131,7 @@ def sbatch_script(
     world, code = nodes * ntasks, Preempted.exit_code
     lines = [
         "#!/bin/bash",
-        f"# Written by `ddpkit slurm`: {nodes} node(s) x {ntasks} task(s) = {world} rank(s), one Slurm task per rank.",
+        f"# Written by `ddpkit slurm` ({MARKER}): {nodes} node(s) x {ntasks} task(s) = {world} rank(s), one Slurm task per rank.",
         "# Readable and editable: change what you like, then submit it with sbatch.",
         *(f"#SBATCH {d}" for d in directives),
         "",
@@ -206,6 +209,10 @@ def slurm_command(cfg: Config, args) -> int:
     # sbatch expands %-patterns in log names: a % of the folder itself must be written %%
     log = Path(args.output or str(script.parent).replace("%", "%%") + "/%x-%j.out").absolute()
     config_path = script.with_suffix(".yaml")
+    inputs = (getattr(args, "config", None),)
+    for path, flag in ((script, "--script"), (config_path, "--script's config")):
+        if path.parent.is_dir():  # a folder made below: nothing in it yet
+            check_output(path, None, flag, args.force, inputs)
     text = sbatch_script(
         cfg,
         config_path=config_path,
@@ -221,8 +228,9 @@ def slurm_command(cfg: Config, args) -> int:
     )
     for folder in {script.parent, Path(args.output or script).absolute().parent}:
         folder.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(to_yaml(cfg), encoding="utf-8")
-    script.write_text(text, encoding="utf-8")
+    config_text = f"# {MARKER} slurm for {script.name}\n" + to_yaml(cfg)
+    atomic_write(config_path, lambda fh: fh.write(config_text.encode("utf-8")))  # replaces a symlink, never
+    atomic_write(script, lambda fh: fh.write(text.encode("utf-8")))  # writes through it
     script.chmod(0o755)
     print(text, end="", flush=True)
     print(f"# wrote {script} and {config_path}", flush=True)

@@ -53,6 +53,13 @@ COMMANDS: dict[str, Command] = {
             mode="script",
         ),
         Command(
+            "stacks",
+            "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
+            "ddpkit.commands.stacks:stacks_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
             "info",
             "one line per rank: rank, local_rank, world_size, host, backend, device",
             "ddpkit.commands.info:info_command",

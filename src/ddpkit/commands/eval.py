@@ -16,6 +16,7 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
     from ddpkit import data
     from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model
+    from ddpkit.tasks import task_for
     from ddpkit.trainer import evaluate
 
     path = cfg.checkpoint.path
@@ -34,7 +35,14 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
         val_set, batch_size, rank=ctx.rank, world_size=ctx.world_size, num_workers=cfg.data.num_workers
     )
     autocast = make_autocast(ctx.device, cfg.train.amp)
-    result = evaluate(model, loader, ctx.device, autocast=autocast, channels_last=cfg.model.channels_last)
+    result = evaluate(
+        model,
+        loader,
+        ctx.device,
+        autocast=autocast,
+        channels_last=cfg.model.channels_last,
+        task=task_for(spec),
+    )
     if ctx.is_main:
         print(json.dumps({**result, "checkpoint": str(path), "world_size": ctx.world_size}), flush=True)
     return 0

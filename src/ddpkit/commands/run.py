@@ -73,7 +73,11 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _check_target(target: list[str]) -> None:
     if not target:
         raise UserError("ddpkit run needs a script to run", f"usage: {USAGE}")
-    if target[0] != "-m":
+    if target[0] == "-m":
+        from ddpkit.usermodule import check_module
+
+        check_module(target[1])
+    else:
         script = target[0]
         if not os.path.exists(script):
             raise UserError(f"script '{script}' does not exist", "check the path (relative to this folder)")

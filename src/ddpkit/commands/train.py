@@ -14,9 +14,11 @@ def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
     from ddpkit import data, models
     from ddpkit.checkpoint import check_file
+    from ddpkit.parallel.pipeline_plan import check_pipeline
 
     data.check_available(cfg)
     models.check_arch(cfg)
+    check_pipeline(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_file(cfg.checkpoint.resume)
 
@@ -35,7 +37,7 @@ def preload(cfg: Config) -> list[str]:
     # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
     modules = ["torch", "ddpkit.cli", "ddpkit.trainer", "torch._dynamo", "torch.utils.tensorboard"]
     modules += ["torch.distributed.elastic.multiprocessing.api", "ddpkit.config_yaml", "ddpkit.data.builtin"]
-    if cfg.model.arch not in ("cnn", "mlp") or cfg.data.dataset not in ("digits", "synthetic"):
+    if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
         modules.append("torchvision")
     return modules  # not matplotlib: the launcher draws curves.png (in_launcher)
 

@@ -124,7 +124,9 @@ def checked(ds: Dataset, split: str, skip: bool) -> Dataset:
     """`ds` wrapped in CheckedSamples, unless its samples live in memory (nothing there to decode)."""
     from ddpkit.data.tensor_sets import SyntheticImages, TensorImageDataset
 
-    if isinstance(ds, (TensorImageDataset, SyntheticImages, CheckedSamples)):
+    if isinstance(ds, (TensorImageDataset, SyntheticImages, CheckedSamples)) or getattr(
+        ds, "in_memory", False
+    ):
         return ds
     return CheckedSamples(ds, split, skip)
 

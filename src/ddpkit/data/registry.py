@@ -24,13 +24,21 @@ ENTRY_POINT_GROUP = "ddpkit.datasets"
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What the model needs to know about the data: classes, channels, image side, split sizes."""
+    """What the model needs to know about the data: classes, channels, image side, split sizes; for token data
+    (a language model's) the vocabulary size and the tokens per sample."""
 
     num_classes: int
     in_channels: int
     image_size: int
     train_size: int
     val_size: int
+    vocab_size: int | None = None
+    block_size: int | None = None
+
+    @property
+    def tokens(self) -> bool:
+        """Token sequences (a language model's data), not labelled images."""
+        return self.vocab_size is not None
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Splits:
     num_classes: int
     in_channels: int
     image_size: int
+    vocab_size: int | None = None  # token data: samples are (ids, next ids) of length data.block_size
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class DatasetEntry:
     check: Callable[[Config], None] | None = None
     missing: Callable[[str], list[str]] | None = None  # files missing under a root (for download messages)
     downloads: bool = False  # data.download applies: rank 0 downloads while the others wait
+    tokens: bool = False  # samples are token sequences for a language model (model.arch=gpt), not images
 
     @property
     def title(self) -> str:
@@ -73,7 +83,7 @@ def register_dataset(entry: DatasetEntry, *, replace: bool = False) -> DatasetEn
 
 
 def _load_builtin() -> None:
-    from ddpkit.data import builtin, vision  # noqa: F401  (their entries register themselves)
+    from ddpkit.data import builtin, text, vision  # noqa: F401  (their entries register themselves)
 
 
 def _from_entry_points(name: str) -> DatasetEntry | None:
@@ -179,7 +189,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
         raise _load_error(entry, cfg, e) from None
     present = max(splits.num_classes, _labels_present(splits.train), _labels_present(splits.val))
     want = cfg.model.num_classes
-    if want is not None and want < present:
+    if want is not None and want < present and splits.vocab_size is None:
         raise UserError(
             f"model.num_classes={want} but the {entry.title} data has {present} classes",
             f"set model.num_classes={present} or leave it unset (null) to take it from the data",
@@ -194,5 +204,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
         image_size=splits.image_size,
         train_size=len(splits.train),  # type: ignore[arg-type]
         val_size=len(splits.val),  # type: ignore[arg-type]
+        vocab_size=splits.vocab_size,
+        block_size=cfg.data.block_size if splits.vocab_size is not None else None,
     )
     return train, val, spec

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.distributed import reaper, signals, torchrun_compat, usermain, warm_start
+from ddpkit.distributed import reaper, signals, stacks, torchrun_compat, usermain, warm_start
 from ddpkit.distributed.netif import hosted_endpoint, use_interface
 from ddpkit.distributed.peers import name_lost_nodes, watch
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
@@ -42,6 +42,7 @@ STARTER_FLAGS = frozenset(
         "--rdzv-id",
         "--rdzv-timeout",
     }
+    | stacks.FLAGS
 )
 LAUNCH_FLAGS = STARTER_FLAGS | {"--init-method", "--rank", "--world-size", "--local-rank"}
 # torchrun's spellings: each flag with underscores too, and flags that take no value (torchrun_compat.py).
@@ -67,6 +68,8 @@ class LaunchSpec:
     rank: int | None = None
     world_size: int | None = None
     local_rank: int | None = None
+    straggler_timeout: float = stacks.DEFAULT_TIMEOUT_S
+    straggler_action: str = "report"
 
     @property
     def starts_workers(self) -> bool:
@@ -125,6 +128,7 @@ def add_launch_flags(parser) -> None:
         "the ranks on its host)",
     )
     torchrun_compat.add_flags(g)
+    stacks.add_flags(g)
 
 
 def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
@@ -181,7 +185,10 @@ def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec
         rank=args.rank,
         world_size=args.world_size,
         local_rank=args.local_rank,
+        straggler_timeout=getattr(args, "straggler_timeout", stacks.DEFAULT_TIMEOUT_S),
+        straggler_action=getattr(args, "straggler_action", "report"),
     )
+    stacks.check_timeout(spec.straggler_timeout)
     if spec.init_method is not None:
         if (
             spec.nproc_per_node is not None
@@ -214,6 +221,10 @@ def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec
     if spec.master_port is not None and not 1 <= spec.master_port <= 65535:
         raise UserError(
             f"--master-port {spec.master_port} is out of range", "use a port between 1024 and 65535"
+        )
+    if spec.rdzv_timeout <= 0:
+        raise UserError(
+            f"--rdzv-timeout must be > 0 seconds, got {spec.rdzv_timeout}", "use e.g. --rdzv-timeout 900"
         )
     if spec.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {spec.max_restarts}", "use e.g. --max-restarts 3")
@@ -419,17 +430,16 @@ def launch_elastic(
     )
     watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
     quiet_agent_logs(debug=bool(os.environ.get(channels.DEBUG)))
-    forwarder = signals.Forwarder()
+    forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
     try:
         # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them. Each worker dies with this process (or
         # with its fork server, which does).
-        with forwarder, signals.launcher_env():
+        with forwarder, signals.launcher_env(), ranks:
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        raise _failure(
-            codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder), script
-        ) from None
+        err = _failure(codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder), script)
+        raise stacks.job_failure(err, ranks) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, which torch's agent passes on to the workers itself
         raise Preempted(
             f"received {e.sigval.name}; workers were stopped (they checkpoint at the next step boundary)",
@@ -448,8 +458,8 @@ class _NoTraceback(logging.Filter):
     (the launcher says so in one line): no error line for it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "exitcode: %s" in str(record.msg) and record.args and record.args[0] == PREEMPTED_EXIT:
-            return False
+        if "exitcode: %s" in str(record.msg) and record.args and record.args[0] in (PREEMPTED_EXIT, 2):
+            return False  # 2: a user error, which the launcher prints once (stacks.job_failure)
         record.exc_info = record.exc_text = None
         return True
 
@@ -470,8 +480,13 @@ def _spawn_entry(
     signals.die_with_launcher()
     rank = int(env["GROUP_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
+    stacks.arm()
     try:
         code = fn(argv)
+    except UserError as e:  # said once for the job by the launcher
+        if not stacks.say_error(f"ddpkit: error: {e.line()}"):
+            print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
+        code = e.exit_code
     except Preempted as e:  # as the command line ends it: one line, exit 3 (not a raised exception)
         if e.report:
             print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
@@ -510,8 +525,8 @@ def launch_spawn(
         channels.LAUNCHER: "spawn",
         signals.PARENT_VAR: str(os.getpid()),
     }
-    forwarder = signals.Forwarder()
-    with forwarder, reaper.reaping():  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
+    forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
+    with forwarder, ranks, reaper.reaping():  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
         context = mp.start_processes(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=False)
         try:
             while not context.join():
@@ -528,4 +543,4 @@ def launch_spawn(
             ours = frozenset(
                 r for r, c in failed.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
             )
-            raise _failure(failed, 0, forwarder.signum, ours, script) from None
+            raise stacks.job_failure(_failure(failed, 0, forwarder.signum, ours, script), ranks) from None

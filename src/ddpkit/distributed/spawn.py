@@ -46,6 +46,9 @@ def _worker(
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
     os.environ.update(torch_variables(env), **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    from ddpkit.distributed import stacks
+
+    stacks.arm()  # SIGUSR2 dumps this worker's Python stack to stderr
     try:
         init_distributed(options["backend"], options["device"], options["timeout_s"])
         value = fn(*args)

@@ -94,9 +94,11 @@ def run_spawned(target: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from ddpkit.distributed import stacks
     from ddpkit.distributed.signals import die_with_launcher
 
     die_with_launcher()
+    stacks.arm()  # SIGUSR2 dumps the script's Python stack (for the launcher's straggler watch)
     if argv[:1] == ["-u"]:  # already unbuffered: this process was started with -u
         argv = argv[1:]
     if argv[:1] != ["-m"] and sys.path[:1] in ([""], [os.getcwd()]):

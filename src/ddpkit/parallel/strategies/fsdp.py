@@ -22,9 +22,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
-        for child in model.children():  # one shard group per top-level block, then the root
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, **options)
+        for block in shard_units(model):  # one shard group per block, then the root
+            fully_shard(block, **options)
         fully_shard(model, **options)
         return model
 
@@ -41,6 +40,18 @@ class FSDPStrategy(Strategy):
     def sync_context(self, wrapped, sync):
         wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
+    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element."""
+    import torch.nn as nn
+
+    units = []
+    for child in model.children():
+        parts = list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+        units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
+    return units
 
 
 def _recognizes(model, optimizer) -> bool:

@@ -13,10 +13,19 @@ class Zero1Strategy(DDPStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         template = factory(model)
-        defaults = {
-            k: v for k, v in template.defaults.items() if k not in ("differentiable", "foreach", "fused")
-        }
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **defaults)
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=type(template), **constructor_defaults(template)
+        )
+
+
+def constructor_defaults(optimizer) -> dict:
+    """The optimizer's hyper-parameters that its class's constructor takes (AdamW's defaults also hold
+    `decoupled_weight_decay`, which AdamW() refuses), less the implementation switches."""
+    import inspect
+
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    skip = ("differentiable", "foreach", "fused")
+    return {k: v for k, v in optimizer.defaults.items() if k in takes and k not in skip}
 
 
 def _recognizes(model, optimizer) -> bool:

@@ -1,0 +1,235 @@
+"""Pipeline parallelism: the model cut into stages over `dist.pp` ranks, micro-batches fed through them by a
+torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B).
+
+`PipelineRunner` is what the Trainer (when dist.pp > 1) and `ddpkit.prepare(..., pp=...)` drive:
+
+    loss = runner.step(x, y)          # forward + backward of one batch in micro-batches; loss on every rank
+    runner.clip_grad_norm(max_norm)   # optional: the norm over all stages
+    optimizer.step(); optimizer.zero_grad()
+    sums = runner.evaluate(loader, score, width)   # exact: forward only, sums from the last stage, all ranks
+
+Each rank runs its stages (plain modules holding full-model parameter names); with several data-parallel
+replicas each stage is wrapped in DDP over the mesh's "dp" group. `full_state(runner)` gathers the stages'
+state dicts into one full-model state dict (what a full-format checkpoint stores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddpkit.parallel.pipeline_plan import stage_ids
+from ddpkit.parallel.pipeline_split import owned_parameters
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+_HEADER = 10  # ndim, up to 8 sizes, dtype code
+
+
+def _schedule_class(name: str):
+    from torch.distributed import pipelining as pl
+
+    return {
+        "gpipe": pl.ScheduleGPipe,
+        "1f1b": pl.Schedule1F1B,
+        "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+    }[name]
+
+
+def _local(t):
+    """A DTensor's full value (collective over its mesh); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class PipelineRunner:
+    """This rank's stages of a pipeline, and the schedule that feeds them.
+
+    `stages`: the modules of the stages this rank runs (stage indices from `pipeline_plan.stage_ids`);
+    `eval_stages`: traced stages' eval-mode twins (evaluation runs them on `stages`' parameters and buffers);
+    `loss_fn(output, target)`: the mean loss of one micro-batch, on the last stage; `counts`: this rank's
+    last-stage results are the ones counted (one rank per pipeline when tensor-parallel ranks repeat them).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        *,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable,
+        pp_group,
+        dp_group=None,
+        device: torch.device | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        counts: bool = True,
+        eval_stages: Sequence[nn.Module] | None = None,
+    ):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.pp_group, self.dp_group = pp_group, dp_group
+        self.pp, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        self.ids = stage_ids(self.pp_rank, self.pp, schedule)
+        self.n_stages = self.pp * len(self.ids)
+        self.stages = list(stages)
+        self.eval_stages = list(eval_stages) if eval_stages is not None else None
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
+        self.device = device or torch.device("cpu")
+        self.autocast, self.counts = autocast, counts
+        self.first, self.last = 0 in self.ids, self.n_stages - 1 in self.ids
+        self.wrapped = [self._wrap(m) for m in self.stages]
+        pipe_stages = [
+            PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
+            for w, sid in zip(self.wrapped, self.ids, strict=True)
+        ]
+        cls = _schedule_class(schedule)
+        self.schedule = cls(
+            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0], n_microbatches, loss_fn=loss_fn
+        )
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # find_unused_parameters: the schedule's backward starts from the stage's output, which DDP's reducer
+        # does not see from forward; without it the reducer asserts on the second step
+        return DDP(module, process_group=self.dp_group, find_unused_parameters=True)
+
+    # ---- the parameters this rank owns ---------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(full-model name, parameter) of this rank's stages."""
+        return owned_parameters(self.stages)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def train(self, mode: bool = True) -> PipelineRunner:
+        for m in self.stages:
+            m.train(mode)
+        return self
+
+    # ---- training -------------------------------------------------------------------------------------
+    def _owner(self, stage: int) -> int:
+        """The global rank running `stage` in this rank's pipeline."""
+        return dist.get_global_rank(self.pp_group, stage % self.pp)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of one batch (cut into the micro-batches); gradients are those of the batch's
+        mean loss. Returns that loss (detached) on every rank of the pipeline, and the last stage's output of
+        the whole batch on the rank running it (None elsewhere)."""
+        self.train()
+        losses: list[torch.Tensor] = []
+        args = (x.to(self.device),) if self.first else ()
+        target = y.to(self.device) if self.last else None
+        with self.autocast():
+            out = self.schedule.step(*args, target=target, losses=losses, return_outputs=self.last)
+        loss = (
+            torch.stack([v.detach().float() for v in losses]).mean()
+            if self.last
+            else torch.zeros((), device=self.device)
+        )
+        dist.broadcast(loss, src=self._owner(self.n_stages - 1), group=self.pp_group)
+        return loss, (_local(out).detach() if self.last and out is not None else None)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            sq += _local(torch.linalg.vector_norm(g.detach())).double() ** 2
+        dist.all_reduce(sq, group=self.pp_group)
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.float()
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, stage: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = t.dim()
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape)
+        header[-1] = _DTYPES.index(t.dtype)
+        dst = self._owner(stage)
+        dist.send(header.to(self.device), dst=dst, group=self.pp_group)
+        dist.send(t.contiguous(), dst=dst, group=self.pp_group)
+
+    def _recv(self, stage: int) -> torch.Tensor:
+        src = self._owner(stage)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=src, group=self.pp_group)
+        h = header.tolist()
+        t = torch.empty(h[1 : 1 + h[0]], dtype=_DTYPES[h[-1]], device=self.device)
+        dist.recv(t, src=src, group=self.pp_group)
+        return t
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """One batch forward through every stage in turn (no micro-batches, no schedule): the last stage's
+        output on the rank running it, None elsewhere. Every rank of the pipeline calls it."""
+        h, out = x.to(self.device), None
+        for k, sid in enumerate(self.ids):
+            if sid > 0:
+                h = self._recv(sid - 1)
+            with self.autocast():
+                h = self._eval_forward(k, h)
+            if sid < self.n_stages - 1:  # a tensor-parallel rank sends its own part to its peer
+                self._send(h.to_local() if hasattr(h, "to_local") else h, sid + 1)
+            else:
+                out = _local(h)
+        return out
+
+    def _eval_forward(self, k: int, h: torch.Tensor):
+        if self.eval_stages is None:
+            return self.stages[k](h)
+        stage = self.stages[k]
+        tensors = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+        return torch.func.functional_call(self.eval_stages[k], tensors, (h,))
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        loader: Iterable,
+        score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        width: int,
+        fixed_batch: int | None = None,
+    ) -> torch.Tensor:
+        """`score(output, y)` (a float64 vector of `width` sums) summed over every batch of `loader` and every
+        data-parallel replica, on every rank. Exact under every schedule: each sample goes forward once.
+
+        fixed_batch: the stages take batches of exactly this size (traced stages): batches are cut into such
+        pieces, the last one padded with repeats of its first sample, whose outputs are not scored."""
+        was = self.stages[0].training
+        self.train(False)
+        sums = torch.zeros(width, dtype=torch.float64, device=self.device)
+        for x, y in loader:
+            for xs, ys in _pieces(x, y, fixed_batch):
+                out = self.forward(xs)
+                if out is not None and self.counts and len(ys):
+                    sums += score(out[: len(ys)].float(), ys.to(self.device)).to(sums)
+        dist.all_reduce(sums)  # only the counted last-stage ranks hold non-zero sums
+        self.train(was)
+        return sums
+
+
+def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
+    """(x, y) as is, or cut into pieces of `size` samples, x of the last one padded to `size`."""
+    if size is None:
+        yield x, y
+        return
+    for start in range(0, len(x), size):
+        xs, ys = x[start : start + size], y[start : start + size]
+        if len(xs) < size:
+            xs = torch.cat([xs, xs[:1].expand(size - len(xs), *xs.shape[1:])])
+        yield xs, ys
+
+
+def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
+    """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
+    empty dict elsewhere. Collective over all ranks."""
+    from ddpkit.parallel import stage_state
+
+    return stage_state.model_state(runner.stages)

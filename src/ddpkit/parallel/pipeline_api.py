@@ -1,0 +1,152 @@
+"""A user's own model as a pipeline: what `ddpkit.prepare(model, ..., pp=2, pp_split=[...], loss_fn=...)` returns.
+
+    model, optimizer, train_loader = ddpkit.prepare(
+        model, optimizer, train_loader, pp=2, pp_split=["blocks.2"], loss_fn=F.cross_entropy
+    )
+    for x, y in train_loader:
+        loss = model.step(x, y)      # forward and backward of the batch, in micro-batches; its mean loss
+        optimizer.step()
+        optimizer.zero_grad()
+    val_loss = model.evaluate(val_loader)   # loss_fn's mean over every validation sample, on every rank
+    state = model.full_state()              # the whole model's state dict on rank 0 (None elsewhere)
+
+Every rank calls the same methods with the same batches (the loaders prepare() returns give the ranks of one
+pipeline the same samples). The model is cut by torch's pipeline tracer where each module of `pp_split`
+begins, on the first batch it sees; each rank keeps the stages it runs. The optimizer stays the user's: the
+parameters of stages this rank does not run get no gradient, so it leaves them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddpkit.errors import UserError
+from ddpkit.parallel.mesh import build_mesh, layout_of
+from ddpkit.parallel.pipeline import PipelineRunner, full_state
+from ddpkit.parallel.pipeline_plan import (
+    SCHEDULES,
+    check_microbatches,
+    n_microbatches,
+    stage_ids,
+    stages_per_rank,
+)
+from ddpkit.parallel.pipeline_split import check_split_names, micro_chunks, traced_stages
+
+
+class PipelineModel:
+    """A user's model cut into pipeline stages over `pp` ranks (data-parallel over the rest): step, evaluate,
+    clip_grad_norm, full_state."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pp_split: Sequence[str],
+        *,
+        pp: int,
+        loss_fn: Callable,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        device: torch.device | None = None,
+    ):
+        if schedule not in SCHEDULES:
+            raise UserError(
+                f"ddpkit.prepare: unknown pp_schedule '{schedule}'", "use " + ", ".join(SCHEDULES)
+            )
+        if not dist.is_initialized() or dist.get_world_size() % pp:
+            ws = dist.get_world_size() if dist.is_initialized() else 1
+            raise UserError(
+                f"ddpkit.prepare(pp={pp}) needs a multiple of {pp} processes, this job has {ws}",
+                f"launch it with `ddpkit run --nproc-per-node {pp} script.py` (or a multiple of {pp})",
+            )
+        check_split_names(model, list(pp_split), pp * stages_per_rank(schedule))
+        self.model, self.names, self.loss_fn = model, list(pp_split), loss_fn
+        self.pp, self.schedule = pp, schedule
+        self.microbatches = n_microbatches(pp, microbatches)
+        check_microbatches(self.microbatches, pp, "ddpkit.prepare: pp_microbatches", "pp")
+        self.device = device or torch.device("cpu")
+        self.layout = layout_of(dist.get_world_size(), tp=1, pp=pp)
+        self.coords = self.layout.coords(dist.get_rank())
+        self.runner: PipelineRunner | None = None
+        self.batch: int | None = None  # the batch size the stages were traced for
+
+    def _built(self, x: torch.Tensor) -> PipelineRunner:
+        """The runner, tracing the model on the first micro-batch seen."""
+        if self.runner is None:
+            mesh = build_mesh(self.layout, self.device.type)
+            ids = stage_ids(self.coords["pp"], self.pp, self.schedule)
+            if len(x) < self.microbatches:
+                raise UserError(
+                    f"a batch of {len(x)} samples is too small for {self.microbatches} pipeline micro-batches",
+                    "use larger batches, or fewer pp_microbatches",
+                )
+            self.batch = len(x) // self.microbatches * self.microbatches
+            example = (x[: self.batch // self.microbatches].to(self.device),)
+            stages, eval_stages = traced_stages(self.model, self.names, example, ids)
+            self.runner = PipelineRunner(
+                stages,
+                schedule=self.schedule,
+                n_microbatches=self.microbatches,
+                loss_fn=self.loss_fn,
+                pp_group=mesh["pp"].get_group(),
+                dp_group=mesh["dp"].get_group(),
+                device=self.device,
+                eval_stages=eval_stages,
+            )
+        return self.runner
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch: gradients of its mean loss, in this rank's stages; returns that
+        loss on every rank (averaged over the data-parallel replicas by their DDP, not here)."""
+        micro_chunks(x, self.microbatches)
+        runner = self._built(x)
+        if len(x) != self.batch:
+            raise UserError(
+                f"model.step() got a batch of {len(x)} samples, the pipeline runs batches of {self.batch}",
+                "give every step a batch of the same size (DataLoader(..., drop_last=True))",
+            )
+        return runner.step(x, y)[0]
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of all stages together to 2-norm max_norm; returns the norm before clipping."""
+        if self.runner is None:
+            raise UserError("clip_grad_norm() before the first step()", "call it after model.step(x, y)")
+        return self.runner.clip_grad_norm(max_norm)
+
+    def evaluate(self, loader: Iterable) -> float:
+        """loss_fn's mean over every sample of `loader` (loss_fn averaging over dim 0), on every rank."""
+
+        def score(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            n = y.shape[0]
+            return torch.stack(
+                [self.loss_fn(out, y).double() * n, torch.tensor(float(n), dtype=torch.float64)]
+            )
+
+        batches = iter(loader)
+        first = next(batches, None)
+        if first is None and self.runner is None:
+            raise UserError("evaluate() on an empty loader before any step()", "give it batches")
+        runner = self._built(first[0]) if first is not None else self.runner
+
+        def again():
+            if first is not None:
+                yield first
+            yield from batches
+
+        piece = self.batch // self.microbatches
+        loss_sum, n = runner.evaluate(again(), score, 2, fixed_batch=piece).tolist()
+        return loss_sum / n if n else float("nan")
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (full names) on rank 0, None elsewhere. Collective."""
+        if self.runner is None:
+            return self.model.state_dict() if dist.get_rank() == 0 else None
+        return full_state(self.runner) or None
+
+    @property
+    def data_rank(self) -> tuple[int, int]:
+        """(index, count) of this rank's data-parallel replica: what its loaders shard by."""
+        return self.coords["dp"], self.layout.dp

@@ -1,0 +1,138 @@
+"""The pipeline-parallel plan, checked before any worker starts (no torch import): which stages each rank
+runs, how many micro-batches a step has, and the settings a pipeline cannot run with.
+
+Words: a *stage* is one consecutive slice of the model; `dist.pp` ranks run the stages (one each, or two each
+under `interleaved_1f1b`, rank r holding stages r and r + pp); a pipeline *micro-batch* is one of the
+`dist.pp_microbatches` equal chunks of a rank's batch that flow through the stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpkit.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def stages_per_rank(schedule: str) -> int:
+    """How many stages one pipeline rank runs under `schedule`."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` runs (the looped placement: r, r + pp, ...)."""
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
+
+
+def n_microbatches(pp: int, configured: int | None) -> int:
+    """dist.pp_microbatches, or 2 x dist.pp when it is null."""
+    return configured if configured is not None else 2 * pp
+
+
+def check_microbatches(micro: int, pp: int, key: str, pp_key: str) -> None:
+    """torch's schedules need at least one micro-batch per pipeline rank."""
+    if micro < pp:
+        raise UserError(
+            f"{key}={micro} is fewer than the {pp} pipeline ranks ({pp_key}={pp})",
+            f"use at least {pp} micro-batches (the default is {2 * pp})",
+        )
+
+
+def block_ranges(n_layer: int, n_stages: int) -> list[range]:
+    """The transformer blocks of each stage: n_layer / n_stages consecutive blocks each."""
+    if n_layer % n_stages:
+        raise UserError(
+            f"model.n_layer={n_layer} blocks cannot be cut into {n_stages} equal pipeline stages",
+            f"use a model.n_layer that is a multiple of {n_stages}",
+        )
+    per = n_layer // n_stages
+    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
+
+
+def resnet_splits(n_stages: int) -> list[str]:
+    """Where a torchvision ResNet's stages begin: its residual stages layer2..layer4, evenly chosen."""
+    points = {2: ["layer3"], 3: ["layer2", "layer4"], 4: ["layer2", "layer3", "layer4"]}
+    if n_stages not in points:
+        raise UserError(
+            f"a ResNet is cut at its residual stages into 2, 3 or 4 pipeline stages, not {n_stages}",
+            "use dist.pp=2 (or 3, 4 with dist.pp_schedule=gpipe or 1f1b)",
+        )
+    return points[n_stages]
+
+
+def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
+    """Refuse, with one line, a pipeline setting that cannot work (called before workers start; the world size
+    is checked when it is known)."""
+    d, train = cfg.dist, cfg.train
+    if d.pp == 1:
+        return
+    if world_size is not None and world_size % (d.pp * d.tp):
+        raise UserError(
+            f"{world_size} process(es) cannot hold dist.pp={d.pp} x dist.tp={d.tp}",
+            f"start a multiple of {d.pp * d.tp} processes",
+        )
+    refusals = [
+        (
+            train.amp == "fp16",
+            "train.amp=fp16",
+            "use train.amp=bf16 or none (no gradient scaler across stages)",
+        ),
+        (
+            train.grad_accum_steps > 1,
+            f"train.grad_accum_steps={train.grad_accum_steps}",
+            "the pipeline's micro-batches replace it: set dist.pp_microbatches instead",
+        ),
+        (
+            d.grad_compression != "none",
+            f"dist.grad_compression={d.grad_compression}",
+            "drop it: stage gradients go through plain DDP",
+        ),
+        (
+            d.strategy not in ("auto", "ddp"),
+            f"dist.strategy={d.strategy}",
+            "use dist.strategy=ddp (or auto) over the data-parallel ranks of a pipeline",
+        ),
+        (
+            d.offload != "none",
+            f"dist.offload={d.offload}",
+            "offload applies to fsdp and zero2, not to pipelines",
+        ),
+        (
+            cfg.model.sync_bn,
+            "model.sync_bn=true",
+            "drop it: the stages hold different BatchNorm layers, there is nothing to synchronise across them",
+        ),
+        (
+            cfg.model.compile,
+            "model.compile=true",
+            "drop it: stages run eagerly under the pipeline schedules",
+        ),
+    ]
+    for bad, what, hint in refusals:
+        if bad:
+            raise UserError(f"{what} cannot run with dist.pp={d.pp}", hint)
+    micro = n_microbatches(d.pp, d.pp_microbatches)
+    check_microbatches(micro, d.pp, "dist.pp_microbatches", "dist.pp")
+    if train.batch_size % micro:
+        raise UserError(
+            f"train.batch_size={train.batch_size} cannot be cut into dist.pp_microbatches={micro} equal parts",
+            f"use a train.batch_size that is a multiple of {micro}",
+        )
+    if d.pp_schedule == "interleaved_1f1b" and micro % d.pp:
+        raise UserError(
+            f"dist.pp_schedule=interleaved_1f1b needs dist.pp_microbatches a multiple of dist.pp={d.pp}, "
+            f"got {micro}",
+            f"use dist.pp_microbatches={2 * d.pp}",
+        )
+    n_stages = d.pp * stages_per_rank(d.pp_schedule)
+    if cfg.model.arch == "gpt":
+        block_ranges(cfg.model.n_layer, n_stages)
+    elif cfg.model.arch.startswith("resnet"):
+        resnet_splits(n_stages)
+    else:
+        raise UserError(
+            f"model.arch={cfg.model.arch} has no pipeline split",
+            "dist.pp>1 cuts gpt (at its blocks) and resnet* (at its stages); for your own model use "
+            "ddpkit.prepare(model, pp=..., pp_split=[module names])",
+        )

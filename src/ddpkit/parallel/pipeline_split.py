@@ -1,0 +1,104 @@
+"""Cutting a model into pipeline stages; every stage keeps the full model's parameter names.
+
+- ddpkit's GPT: each stage is the same class with the blocks and parts it does not run deleted (gpt.forward
+  skips parts set to None), so checkpoints of any layout use one set of keys.
+- a torchvision ResNet and a user's model: torch.distributed.pipelining's tracer cuts the forward where the
+  named modules begin (`pp_split`); the traced stages hold the original parameters under their full names.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from ddpkit.errors import UserError, first_line
+from ddpkit.gpt import GPT
+from ddpkit.parallel.pipeline_plan import block_ranges
+
+
+def gpt_stage(model: GPT, stage: int, n_stages: int, copy_model: bool = False) -> GPT:
+    """`model` cut down to pipeline stage `stage` of `n_stages` (in place unless copy_model)."""
+    keep = block_ranges(model.n_layer, n_stages)[stage]
+    part = copy.deepcopy(model) if copy_model else model
+    for name in list(part.blocks.keys()):
+        if int(name) not in keep:
+            del part.blocks[name]
+    if stage > 0:
+        part.tok_emb = part.pos_emb = None
+    if stage < n_stages - 1:
+        part.ln_f = part.head = None
+    return part
+
+
+def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key: str = "pp_split") -> None:
+    """pp_split names modules of `model`, one fewer than the stages."""
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules or not n]
+    if unknown:
+        raise UserError(
+            f"{key} names '{unknown[0]}', which is not a module of {type(model).__name__}",
+            "name submodules as model.named_modules() spells them, e.g. 'layers.2'",
+        )
+    if len(names) != n_stages - 1:
+        raise UserError(
+            f"{key} has {len(names)} split point(s), which cut the model into {len(names) + 1} stage(s), "
+            f"but the pipeline runs {n_stages}",
+            f"give {n_stages - 1} module name(s) where a new stage begins",
+        )
+
+
+def _trace(model: nn.Module, names: Sequence[str], example: tuple):
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    try:
+        pipe = pipeline(model, mb_args=example, split_spec=dict.fromkeys(names, SplitPoint.BEGINNING))
+    except Exception as e:  # the tracer's own errors are many and varied
+        raise UserError(
+            f"torch's pipeline tracer could not cut {type(model).__name__} at {list(names)}: "
+            f"{first_line(e, joined=True)}",
+            "split at modules whose forward runs in sequence, with tensors flowing between them",
+        ) from None
+    if pipe.num_stages != len(names) + 1:
+        raise UserError(
+            f"cutting {type(model).__name__} at {list(names)} gave {pipe.num_stages} stages, not {len(names) + 1}",
+            "name modules that each run once, in the order the forward calls them",
+        )
+    return pipe
+
+
+def traced_stages(
+    model: nn.Module, names: Sequence[str], example: tuple, wanted: Sequence[int]
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(training stages, evaluation stages) `wanted` of `model`, cut where each module of `names` begins by
+    torch's pipeline tracer on one example micro-batch. The training stages share the model's parameters and
+    buffers under their full names. The tracer fixes train/eval behaviour (dropout, BatchNorm) into the graph,
+    so the evaluation stages are traced from an eval-mode copy; evaluation runs them on the training stages'
+    tensors (torch.func.functional_call)."""
+    twin = _trace(copy.deepcopy(model).eval(), names, example)  # first: tracing marks the model it traced
+    pipe = _trace(model.train(), names, example)
+    return [pipe.get_stage_module(i) for i in wanted], [twin.get_stage_module(i) for i in wanted]
+
+
+def owned_parameters(stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(full name, parameter) of every stage on this rank, each parameter once."""
+    seen: set[int] = set()
+    out = []
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def micro_chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`t` cut along dim 0 into n equal chunks (the batch is a multiple of n)."""
+    if t.shape[0] % n:
+        raise UserError(
+            f"a batch of {t.shape[0]} samples cannot be cut into {n} equal pipeline micro-batches",
+            f"use a batch size that is a multiple of {n} (drop_last=True keeps every batch full)",
+        )
+    return list(t.chunk(n))

@@ -1,0 +1,123 @@
+"""`ddpkit train` with dist.pp > 1: the model cut into this rank's stages, a PipelineRunner over the device
+mesh, and the Strategy that checkpoints them in full-model form.
+
+The Trainer asks `build` for the parts, calls `forward_backward` instead of its own forward/backward,
+`PipelineRunner.clip_grad_norm` instead of torch's, and `evaluate` for exact
+validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
+optimizer state keyed by those names (parallel/stage_state.py), so they load into any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ddpkit.parallel import stage_state
+from ddpkit.parallel.mesh import build_mesh, layout_of
+from ddpkit.parallel.pipeline import PipelineRunner
+from ddpkit.parallel.pipeline_plan import n_microbatches, resnet_splits, stage_ids
+from ddpkit.parallel.pipeline_split import gpt_stage, traced_stages
+from ddpkit.parallel.strategy import Strategy as BaseStrategy
+
+
+@dataclass
+class PipelineParts:
+    runner: PipelineRunner
+    layout: Any
+    coords: dict
+    modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
+    fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
+
+
+def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
+    """This rank's stages of `model` and the runner feeding them (collective: builds the device mesh)."""
+    d = cfg.dist
+    layout = layout_of(ctx.world_size, d.tp, d.pp)
+    coords = layout.coords(ctx.rank)
+    mesh = build_mesh(layout, ctx.device.type)
+    ids = stage_ids(coords["pp"], d.pp, d.pp_schedule)
+    n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
+    fixed = eval_stages = None
+    if cfg.model.arch == "gpt":
+        stages = [gpt_stage(model, s, n_stages, copy_model=len(ids) > 1) for s in ids]
+    else:  # a ResNet: traced on one micro-batch of images, so every batch through it has that size
+        fixed = cfg.train.batch_size // micro
+        example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
+        stages, eval_stages = traced_stages(model, resnet_splits(n_stages), example, ids)
+    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
+        from ddpkit.parallel.tensor import apply_tensor_parallel
+
+        stages = [apply_tensor_parallel(s, mesh["tp"]) for s in stages]
+    runner = PipelineRunner(
+        stages,
+        schedule=d.pp_schedule,
+        n_microbatches=micro,
+        loss_fn=task.loss,
+        pp_group=mesh["pp"].get_group(),
+        dp_group=mesh["dp"].get_group(),
+        device=ctx.device,
+        autocast=autocast,
+        counts=coords["tp"] == 0,
+        eval_stages=eval_stages,
+    )
+    return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
+
+
+def forward_backward(trainer, micro_batches) -> None:
+    """The pipeline's forward and backward of one optimizer step's batch, counted in the train sums once."""
+    from ddpkit.builders import to_device
+
+    parts: PipelineParts = trainer.pipeline
+    for x, y in micro_batches:  # one batch: grad_accum_steps is 1 under a pipeline
+        x, y = to_device(x, y, trainer.device, trainer.cfg.model.channels_last)
+        loss, out = parts.runner.step(x, y)
+        if out is not None and parts.runner.counts:
+            trainer.task.accumulate(trainer.state.sums, loss, out, y)
+        trainer.nonfinite.see(loss)
+
+
+def evaluate(trainer) -> dict[str, Any]:
+    """Exact validation metrics (every sample once, forward only through the stages), on every rank."""
+    from ddpkit.tasks import EVAL_WIDTH
+
+    parts: PipelineParts = trainer.pipeline
+    sums = parts.runner.evaluate(trainer.val_loader, trainer.task.eval_sums, EVAL_WIDTH, parts.fixed_batch)
+    return trainer.task.val_fields(sums.tolist())
+
+
+class Strategy(BaseStrategy):
+    """Checkpoints of a pipeline (parallel/stage_state.py): full-model names and the optimizer state keyed by
+    name (checkpoint.format=full), or each rank's stages in a DCP folder (sharded); both load into any layout."""
+
+    def __init__(self, ctx, parts: PipelineParts):
+        super().__init__(ctx)
+        self.parts = parts
+        self.name = "ddp" if parts.layout.dp > 1 else "single"
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        return self.parts.runner.stages
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped
+
+    def model_state(self, wrapped: nn.Module) -> dict:
+        return stage_state.model_state(self.stages)
+
+    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+        return stage_state.optimizer_state(self.stages, optimizer)
+
+    def load(self, wrapped, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
+        stage_state.load_state(self.stages, optimizer, model_sd, optim_sd)
+
+    def sharded_state(self, wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
+        return stage_state.sharded_state(self.stages, optimizer)
+
+    def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
+        stage_state.load_sharded(path, self.stages, optimizer, side)

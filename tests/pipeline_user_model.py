@@ -1,0 +1,99 @@
+"""A user's own small transformer and a training script driven through ddpkit.prepare(pp=...), importable by the
+spawned processes of tests/test_pipeline.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ddpkit
+
+STEPS, BATCH, VOCAB, T = 6, 8, 13, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def tokens(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, VOCAB, (n, T + 1), generator=g)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def model_and_data():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    train = DataLoader(tokens(BATCH * STEPS, 1), batch_size=BATCH, shuffle=True, drop_last=True)
+    val = DataLoader(tokens(20, 2), batch_size=6, shuffle=False)
+    return model, opt, train, val
+
+
+def single() -> dict:
+    """The one-process run on the same global batches: ddpkit's global order, one rank."""
+    model, opt, train, val = model_and_data()
+    model, opt, train, val = ddpkit.prepare(model, opt, train, val)
+    for x, y in train:
+        lm_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        n = sum(len(y) for _, y in val)
+        val_loss = sum(float(lm_loss(model(x), y)) * len(y) for x, y in val) / n
+    return {"state": {k: v.numpy() for k, v in model.state_dict().items()}, "val_loss": val_loss}
+
+
+def piped(pp: int, schedule: str) -> dict:
+    """The same training through prepare(pp=...): the per-step calls docs/pipeline.md shows."""
+    model, opt, train, val = model_and_data()
+    world = ddpkit.get_world_size()
+    train = DataLoader(train.dataset, batch_size=BATCH * pp // world, shuffle=True, drop_last=True)
+    model, opt, train, val = ddpkit.prepare(
+        model, opt, train, val, pp=pp, pp_split=["blocks.2"], loss_fn=lm_loss, pp_schedule=schedule
+    )
+    losses = []
+    for x, y in train:
+        losses.append(float(model.step(x, y)))
+        model.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+    state = model.full_state()
+    return {
+        "state": {k: v.numpy() for k, v in state.items()} if state is not None else None,
+        "val_loss": model.evaluate(val),
+        "losses": losses,
+    }

@@ -1,0 +1,352 @@
+"""Hostile and careless inputs, second round: files ddpkit did not write are never touched, every reader is
+bounded, every input is checked before the first write, one failure is one line, and no rank hangs silently.
+
+Time budget: about 90 s on a quiet 2-core machine (one 2-epoch training and one resume of it shared by the
+resume tests, one `ddpkit eval` and one `ddpkit run` of 2 workers, the stuck-rank run waits its 10 s straggler
+timeout, the rest are CLI calls that are refused before any work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, assert_user_error, cli_env, run_cli
+from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
+from ddpkit.errors import UserError
+from ddpkit.metrics import RunLog
+from ddpkit.rundir import check_out_dir
+
+QUICK = ["model.arch=mlp", "data.augment=false", "report.curves=false"]
+ROW = {
+    "epoch": 1,
+    "step": 5,
+    "world_size": 1,
+    "global_batch_size": 32,
+    "lr": 0.1,
+    "train_loss": 1.0,
+    "train_acc1": 0.5,
+    "val_loss": 1.0,
+    "val_acc1": 0.5,
+    "val_acc5": 0.9,
+    "val_samples": 100,
+    "epoch_time_s": 1.0,
+    "train_images_per_s": 100.0,
+}
+DEEP_LINE = "[" * 100_000 + "]" * 100_000
+
+
+def victim(tmp_path: Path, size: int = 100_000) -> Path:
+    """A file outside the run directory that nothing may change."""
+    path = tmp_path / "outside" / "victim.bin"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def fake_run(root: Path, config: str = "seed: 0\n", lines: tuple[str, ...] = ()) -> Path:
+    """A run directory as `ddpkit report` reads it: metrics.jsonl (one good epoch, then `lines`), config.yaml."""
+    root.mkdir(parents=True)
+    (root / "metrics.jsonl").write_text("".join(f"{x}\n" for x in (json.dumps(ROW), *lines)))
+    (root / "config.yaml").write_text(config)
+    return root
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = run_cli("train", f"out_dir={out}", *QUICK, "train.epochs=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(finished, tmp_path_factory):
+    """The finished run with foreign, damaged and deeply nested metrics lines and a last.pt whose epoch is a
+    string, resumed for a third epoch with curves drawn at the end."""
+    out = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(finished, out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    foreign = ['{"note": "added by hand"}\n', "not json at all\n", DEEP_LINE + "\n", '{"epoch": "two"}\n']
+    (out / "metrics.jsonl").write_text("".join(lines[:1] + foreign + lines[1:]))
+    last = out / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    save_checkpoint({**state, "epoch": "x"}, last)
+    proc = run_cli(
+        "train",
+        f"out_dir={out}",
+        "model.arch=mlp",
+        "data.augment=false",
+        "report.curves=true",
+        "train.epochs=3",
+    )
+    return proc, out
+
+
+# ------------------------------------------------------------------------------------------------ symlinks
+
+
+def test_symlinks_where_ddpkit_writes_leave_the_outside_files_byte_identical(tmp_path):
+    target = victim(tmp_path)
+    before = target.read_bytes()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".ddpkit.lock").symlink_to(target)
+    proc = run_cli("train", f"out_dir={out}", *QUICK, "train.epochs=1")
+    assert_user_error(proc, ".ddpkit.lock", "symlink")
+    assert target.read_bytes() == before and (out / ".ddpkit.lock").is_symlink()
+
+    outside = tmp_path / "outside" / "ckpts"
+    outside.mkdir()
+    (outside / ".notes.tmp").write_text("mine")
+    (outside / ".last.pt.abcd1234.tmp").write_text("also mine")
+    for name, dest in (("log.txt", target), ("metrics.jsonl", target), ("checkpoints", outside)):
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
+        (run / name).symlink_to(dest)
+        with pytest.raises(UserError, match="symlink"):
+            check_out_dir(run)
+    log = RunLog(tmp_path / "run-metrics.jsonl", active=True)
+    with pytest.raises(OSError, match="symlink"):  # the write itself refuses too: no check-then-use race
+        log.metrics(ROW)
+    CheckpointDir(tmp_path / "run-checkpoints").sweep()
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in outside.iterdir()) == [".last.pt.abcd1234.tmp", ".notes.tmp"]
+
+
+# ---------------------------------------------------------------------------------------------- user files
+
+
+def test_files_the_user_owns_are_never_replaced_or_deleted(tmp_path):
+    from ddpkit.outputs import check_output
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for name in (".mydata.tmp", ".README.tmp", ".last.pt.q1w2e3r4.tmp"):
+        (ckpts / name).write_text(name)
+    CheckpointDir(tmp_path / "run").sweep()
+    assert sorted(p.name for p in ckpts.iterdir()) == [".README.tmp", ".mydata.tmp"]  # only ddpkit's went
+
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text("# my notes on this job\ntrain:\n  epochs: 1\n")
+    existing = tmp_path / "existing.sh"
+    existing.write_text("#!/bin/sh\necho my own script\n")
+    kept = {p: p.read_bytes() for p in (job_yaml, existing)}
+    assert_user_error(
+        run_cli("slurm", "-c", str(job_yaml), "--script", str(tmp_path / "job.sh"), cwd=tmp_path), "input"
+    )
+    assert_user_error(run_cli("slurm", "--script", str(existing), cwd=tmp_path), "existing.sh", "--force")
+    assert all(p.read_bytes() == b for p, b in kept.items())
+    forced = run_cli("slurm", "--script", str(existing), "--force", cwd=tmp_path)
+    assert forced.returncode == 0 and "srun" in existing.read_text(), forced.stderr
+    check_output(existing, None, "--script")  # ddpkit wrote it now: replaced without --force next time
+
+    run = fake_run(tmp_path / "r")
+    (tmp_path / "report.png").write_bytes(b"my picture")
+    assert_user_error(run_cli("report", str(run), cwd=tmp_path), "report.png", "--force")
+    assert (tmp_path / "report.png").read_bytes() == b"my picture"
+    drawn = run_cli("report", str(run), "--out", "new.png", cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    check_output(tmp_path / "new.png", ".png", "--out")
+
+
+# ---------------------------------------------------------------------------------------- bounded readers
+
+
+def test_a_report_over_an_alias_bomb_config_ends_at_once_with_exit_2(tmp_path):
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+    run = fake_run(tmp_path / "bomb", config=bomb)
+    start = time.monotonic()
+    proc = run_cli("report", str(run), "--out", str(tmp_path / "r.png"), timeout=20)
+    print(f"refused in {time.monotonic() - start:.2f} s (interpreter start included)")
+    assert_user_error(proc, "config.yaml", "aliases")
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_deeply_nested_configs_are_one_line_and_exit_2(tmp_path):
+    for name, text in (
+        ("list", "seed: " + "[" * 3000 + "]" * 3000 + "\n"),
+        ("mapping", "seed: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n"),
+    ):
+        run = fake_run(tmp_path / name, config=text)
+        assert_user_error(
+            run_cli("report", str(run), "--out", str(tmp_path / f"{name}.png")), "nested deeper"
+        )
+    nested: dict = {}
+    for _ in range(200):
+        nested = {"a": nested}
+    path = tmp_path / "deep.pt"
+    torch.save({"model": {"w": torch.zeros(1)}, "config": nested}, path)
+    with pytest.raises(UserError, match="nested deeper"):
+        load_checkpoint(path, require=("model",))
+
+
+# ---------------------------------------------------------------------------------- half-checked inputs
+
+
+def test_foreign_and_damaged_metrics_lines_never_fail_a_run_that_trained(resumed):
+    proc, out = resumed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    text = (out / "metrics.jsonl").read_text()
+    assert "added by hand" in text and DEEP_LINE in text  # the user's lines stay where they were
+    assert [json.loads(x)["epoch"] for x in text.splitlines() if x.startswith('{"epoch": ')][-1] == 3
+    assert (out / "curves.png").is_file()
+    report = run_cli("report", str(out), "--out", str(out.parent / "r.png"))
+    assert report.returncode == 0, report.stderr
+    assert "4 lines" in report.stderr and "skipped" in report.stderr
+
+
+def test_a_checkpoint_with_wrong_typed_fields_falls_back_to_the_next_good_one(resumed, tmp_path):
+    proc, out = resumed
+    said = proc.stdout + proc.stderr
+    assert "last.pt' is unreadable: its 'epoch' entry is str" in said, said[-3000:]
+    assert "resumed from " in said and "epoch_0002.pt" in said
+    state = {"model": {"w": torch.zeros(1)}, "epoch": 1, "step": 5, "rng": [{"torch": "garbage"}]}
+    torch.save(state, tmp_path / "rng.pt")
+    with pytest.raises(UserError, match="'rng' entry"):
+        load_checkpoint(tmp_path / "rng.pt", require=("model", "epoch", "step"))
+
+
+def test_launch_inputs_are_refused_before_any_worker_starts(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    proc = run_cli("run", "--nproc-per-node", "2", "-m", "no.such.module", cwd=tmp_path)
+    assert_user_error(proc, "no.such.module")
+    assert "[rank" not in proc.stderr and "ran" not in proc.stdout
+    for value in ("0", "-5"):
+        proc = run_cli("run", "--nproc-per-node", "2", "--rdzv-timeout", value, str(script), cwd=tmp_path)
+        assert_user_error(proc, f"--rdzv-timeout must be > 0 seconds, got {value}")
+        assert "ran" not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- noise
+
+
+def test_a_bad_input_every_worker_finds_is_one_error_line(tmp_path):
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    proc = run_cli("eval", "checkpoint.path=bad.pt", "--nproc-per-node", "2", "model.arch=mlp", cwd=tmp_path)
+    assert_user_error(proc, "bad.pt", "unreadable")
+    assert "api.py" not in proc.stderr, proc.stderr
+
+
+def test_a_cut_checkpoint_and_a_newline_in_a_flag_each_give_one_clean_line(tmp_path):
+    path = tmp_path / "cut.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "epoch": 1, "step": 1}, path)
+    path.write_bytes(path.read_bytes()[:-10])  # cut inside the zip directory: torch's reader says EINVAL
+    with pytest.raises(UserError, match="truncated or damaged") as caught:
+        load_checkpoint(path)
+    assert "Invalid argument" not in str(caught.value) and "permissions" not in str(caught.value)
+    assert_user_error(run_cli("k8s", "--image", "ddpkit:1\nrm -rf /"), "--image")
+
+
+# ---------------------------------------------------------------------------------------------------- hangs
+
+STUCK = REPO / "tests" / "scripts" / "stuck_rank.py"  # docs/reliability.md shows it as stuck.py
+
+
+class Lines:
+    """A process's merged output, line by line, with each line's arrival time."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.got: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            self.got.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.got):
+                if text in line:
+                    return t
+            if not self._thread.is_alive():  # the output ended: it will not come
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not seen within {timeout} s:\n" + "\n".join(x for _, x in self.got))
+
+    def text(self) -> str:
+        return "\n".join(x for _, x in self.got)
+
+
+def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_path):
+    shutil.copy(STUCK, tmp_path / "stuck.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--straggler-timeout",
+        "10",
+        "stuck.py",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out = Lines(proc)
+    try:
+        done = out.wait_for("rank 0 done", 120)
+        named = out.wait_for("still running", 30)
+        assert named - done < 20, out.text()
+        out.wait_for("[rank1]:   File", 5)
+        report = [x for x in out.text().splitlines() if "still running" in x][0]
+        assert "rank 1 still running 10 s after rank 0 ended" in report
+        assert 'File "stuck.py", line 7 in wait_forever' in out.text()
+
+        asked = run_cli("stacks", str(proc.pid), timeout=60)  # from another shell, while rank 1 still waits
+        assert asked.returncode == 0, asked.stderr
+        assert "[rank1]:" in asked.stdout and "wait_forever" in asked.stdout
+        proc.send_signal(signal.SIGUSR2)  # the same on the launcher's own stderr
+        out.wait_for("(SIGUSR2)", 30)
+        assert out.text().count("still running") == 1  # named once, and the job keeps waiting
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)  # passed on: the script does not handle it and ends
+        proc.wait(timeout=60)
+    assert proc.returncode != 0
+
+
+ARMED = """
+import os, sys, time
+from ddpkit.distributed import stacks
+stacks.arm()
+def waiting_rank():
+    time.sleep(600)
+if os.environ["RANK"] == "1":
+    waiting_rank()
+"""
+
+
+def test_straggler_action_stop_ends_the_ranks_still_running_after_naming_them(tmp_path):
+    from ddpkit.distributed.stacks import Watch
+
+    said: list[str] = []
+    with Watch(timeout_s=1, action="stop", say=lambda text, **_: said.append(text)) as watch:
+        env = cli_env()  # the job folder travels in the environment, as to a launcher's workers
+        ranks = [
+            subprocess.Popen([sys.executable, "-c", ARMED], env={**env, "RANK": str(r)}, cwd=tmp_path)
+            for r in (0, 1)
+        ]
+        assert ranks[0].wait(timeout=60) == 0
+        assert ranks[1].wait(timeout=60) == -signal.SIGKILL  # ended by the watch, not by this test
+    assert watch.stopped == [1] and len(said) == 1, said
+    assert "rank 1 still running 1 s after rank 0 ended; ending them" in said[0]
+    assert "[rank1]:" in said[0] and "waiting_rank" in said[0]
+    assert not watch.job.exists()  # the job folder goes with the launch

@@ -1,0 +1,215 @@
+"""Language models: data.dataset=text, model.arch=gpt, their metrics, best checkpoint and `ddpkit eval`.
+
+Time budget: about 60 s on a quiet 2-core machine. One CLI run on 2 processes (with an eval of its checkpoint)
+and one in-process 2-rank group that trains under ddp, zero1 and fsdp are shared by the tests through module
+fixtures; everything else runs in this process on a few kilobytes of text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import assert_user_error, run_cli, run_group
+from ddpkit import data, memory, models
+from ddpkit.config import load_config
+from ddpkit.data import text
+from ddpkit.errors import UserError
+from ddpkit.metrics import read_metrics
+
+# a tiny GPT on the first 40 kB of the standard library's sources: a few steps, well under a second each
+TINY = [
+    "model.arch=gpt",
+    "data.dataset=text",
+    "data.text_bytes=40000",
+    "data.block_size=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "train.batch_size=8",
+    "optim.name=adamw",
+    "optim.lr=0.003",
+    "optim.ref_batch_size=null",
+    "optim.schedule=constant",
+    "report.curves=false",
+]
+
+
+def tiny_config(out_dir, *overrides: str):
+    return load_config(None, [f"out_dir={out_dir}", *TINY, *overrides])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the text data set
+
+
+def test_default_source_is_the_standard_library_bounded_and_the_same_each_time(tmp_path):
+    cfg = tiny_config(tmp_path / "run", "data.text_bytes=5000")
+    first = text.stdlib_files()[0].read_bytes()[:5000].decode("utf-8", errors="ignore")
+    got = text.read_text(cfg)
+    assert got == text.read_text(cfg) and len(got.encode("utf-8")) <= 5000
+    assert got.startswith(first[:1000])
+
+
+def test_samples_are_shifted_blocks_over_a_sorted_vocabulary(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello, world. " * 200)
+    cfg = tiny_config(tmp_path / "run", f"data.root={corpus}", "data.block_size=8")
+    train, val, spec = data.build_datasets(cfg)
+    assert spec.vocab_size == len(set("hello, world. ")) and spec.block_size == 8
+    assert len(val) == (280 - 1) // 8 and len(train) == (2800 - 280 - 1) // 8  # the last tenth is validation
+    x, y = train[3]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8,)
+    vocab = sorted(set("hello, world. "))
+    assert "".join(vocab[i] for i in x) == ("hello, world. " * 200)[24:32]
+    assert torch.equal(x[1:], y[:-1])
+
+
+def test_a_folder_is_read_in_name_order_without_hidden_files(tmp_path):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("b" * 400)
+    (folder / "sub" / "c.txt").write_text("c" * 400)
+    (folder / "a.txt").write_text("a" * 400)
+    (folder / ".hidden").write_bytes(b"\0binary")
+    cfg = tiny_config(tmp_path / "run", f"data.root={folder}", "data.block_size=8")
+    assert text.read_text(cfg) == "a" * 400 + "b" * 400 + "c" * 400
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (None, "does not exist"),
+        (b"", "holds no text"),
+        (b"text\0with a NUL", "is a binary file"),
+        (b"\xff\xfe not utf-8 " * 40, "is not UTF-8 text"),
+        (b"short", "too few for data.block_size=32"),
+    ],
+)
+def test_a_bad_text_source_is_one_error_line(tmp_path, content, fragment):
+    root = tmp_path / "corpus.txt"
+    if content is not None:
+        root.write_bytes(content)
+    with pytest.raises(UserError, match=fragment):
+        data.check_available(tiny_config(tmp_path / "run", f"data.root={root}"))
+
+
+def test_the_command_refuses_bad_text_and_mismatched_model_and_data_before_writing(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"\0\1\2" * 100)
+    out = tmp_path / "run"
+    proc = run_cli("train", *TINY, f"data.root={tmp_path / 'bin.txt'}", f"out_dir={out}")
+    assert_user_error(proc, "is a binary file")
+    assert not out.exists()
+    with pytest.raises(UserError, match="model.arch=gpt is a language model"):
+        models.check_arch(load_config(None, ["model.arch=gpt"]))
+    with pytest.raises(UserError, match="use model.arch=gpt"):
+        models.check_arch(load_config(None, ["data.dataset=text"]))
+    with pytest.raises(UserError, match="not a multiple of model.n_head"):
+        models.check_arch(load_config(None, [*TINY, "model.n_embd=30", "model.n_head=4"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `ddpkit train` on 2 processes and `ddpkit eval` of its checkpoint
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm") / "run"
+    proc = run_cli(
+        "train", "--nproc-per-node", "2", *TINY, f"out_dir={out}", "train.epochs=2", "data.text_bytes=3000"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ev = run_cli("eval", f"checkpoint.path={out / 'checkpoints' / 'best.pt'}")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    return out, proc.stdout, json.loads(ev.stdout.strip().splitlines()[-1])
+
+
+def test_language_model_metrics_hold_loss_perplexity_and_tokens(cli_run):
+    out, stdout, _ = cli_run
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["step"] == 2 * rows[0]["step"]
+    for r in rows:
+        assert r["val_acc1"] is None and r["val_acc5"] is None and r["train_acc1"] is None
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+        assert r["train_tokens_per_s"] > 0 and r["world_size"] == 2
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] < math.log(rows[0]["val_ppl"]) + 1e-9
+    assert "val loss" in stdout and "tokens/s" in stdout and "acc" not in stdout.split("tokens/s")[0][-80:]
+
+
+def test_best_checkpoint_of_a_language_model_is_its_lowest_val_loss(cli_run):
+    out, _, _ = cli_run
+    rows = read_metrics(out)
+    best = torch.load(out / "checkpoints" / "best.pt", weights_only=True)
+    lowest = min(r["val_loss"] for r in rows)
+    assert best["best_val_loss"] == pytest.approx(lowest) and best["metrics_row"]["val_loss"] == lowest
+    assert best["best_acc1"] == -1.0
+
+
+def test_eval_scores_the_checkpoint_as_training_did(cli_run):
+    out, _, result = cli_run
+    row = next(r for r in read_metrics(out) if r["val_loss"] == min(x["val_loss"] for x in read_metrics(out)))
+    assert result["val_loss"] == pytest.approx(row["val_loss"], rel=1e-6)
+    assert result["val_samples"] == row["val_samples"] and result["val_acc1"] is None
+    assert result["val_ppl"] == pytest.approx(row["val_ppl"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the same steps under every data-parallel strategy (one 2-rank group) and on one process
+
+
+def _strategies(rank: int, world_size: int, root: str) -> dict:
+    from ddpkit.distributed.env import DistEnv
+    from ddpkit.distributed.runtime import DistContext
+    from ddpkit.trainer import Trainer
+
+    launcher = "manual" if world_size > 1 else "none"
+    env = DistEnv(
+        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size, launcher=launcher
+    )
+    ctx = DistContext(env, "gloo", torch.device("cpu"))
+    names = ("ddp", "zero1", "fsdp") if world_size > 1 else ("single",)
+    per_rank = 8 // world_size  # the same global batch on 1 and on 2 processes
+    rows = {}
+    for name in names:
+        overrides = (f"dist.strategy={name}", f"train.batch_size={per_rank}", "train.max_steps=4")
+        cfg = tiny_config(f"{root}/{name}", "train.epochs=1", *overrides)
+        rows[name] = Trainer(cfg, ctx).fit()
+    return rows
+
+
+@pytest.fixture(scope="module")
+def strategy_rows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("strategies")
+    two = run_group(_strategies, 2, str(root), timeout=300)[0]
+    one = run_group(_strategies, 1, str(root), timeout=300)[0]
+    return {**two, **one}
+
+
+def test_ddp_zero1_and_fsdp_train_the_gpt_like_one_process(strategy_rows):
+    single = strategy_rows["single"]
+    for name in ("ddp", "zero1", "fsdp"):
+        row = strategy_rows[name]
+        assert row["train_loss"] == pytest.approx(single["train_loss"], rel=1e-4), name
+        assert row["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4), name
+
+
+def test_memory_fields_show_what_each_strategy_shards(strategy_rows):
+    single, ddp, zero1, fsdp = (strategy_rows[n] for n in ("single", "ddp", "zero1", "fsdp"))
+    for row in (single, ddp, zero1, fsdp):
+        assert min(row[f] for f in memory.FIELDS) > 0
+    assert ddp["param_bytes_per_rank"] == single["param_bytes_per_rank"] == zero1["param_bytes_per_rank"]
+    assert ddp["optim_bytes_per_rank"] == single["optim_bytes_per_rank"]
+    assert fsdp["param_bytes_per_rank"] <= 0.6 * ddp["param_bytes_per_rank"]
+    assert fsdp["grad_bytes_per_rank"] <= 0.6 * ddp["grad_bytes_per_rank"]
+    assert fsdp["optim_bytes_per_rank"] <= 0.6 * ddp["optim_bytes_per_rank"]
+    assert zero1["optim_bytes_per_rank"] <= 0.6 * ddp["optim_bytes_per_rank"]
+
+
+def test_storage_bytes_counts_each_storage_once():
+    flat = torch.zeros(100)
+    views = [flat[:50], flat[50:], flat]
+    assert memory.storage_bytes([*views, None]) == 400
+    assert memory.storage_bytes([torch.zeros(10, dtype=torch.float64), torch.zeros(3)]) == 92
