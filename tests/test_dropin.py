@@ -96,7 +96,7 @@ def test_torchrun_spellings_local_rank_file_and_rank_prefix(tmp_path):
     (tmp_path / "beside.txt").write_text("found")
     proc = run_cli(
         "run", "--nproc_per_node=2", "--standalone", "--max_restarts", "0", "old_launch.py", "--tag", "x",
-        cwd=tmp_path, timeout=120,
+        cwd=tmp_path, timeout=400,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     seen = sorted(re.findall(r"local_rank=\d tag=x beside=found file=\S+?\.py", proc.stdout))
@@ -112,7 +112,7 @@ def test_exit_3_passes_through_and_no_group_warning(tmp_path):
     """A script's own exit 3 is a failure named as such (never "preempted"), and a 2-process run that never
     made a process group gets one warning line."""
     _write(tmp_path, "exit3.py", EXIT3_SCRIPT)
-    proc = run_cli("run", "--nproc-per-node", "2", "exit3.py", cwd=tmp_path, timeout=120)
+    proc = run_cli("run", "--nproc-per-node", "2", "exit3.py", cwd=tmp_path, timeout=400)
     assert proc.returncode == 3, proc.stderr
     assert "rank 1 (exit code 3)" in proc.stderr, proc.stderr
     assert "preempt" not in proc.stderr.lower(), proc.stderr
@@ -128,7 +128,7 @@ def test_spawn_runs_guardless_dataloader_script_one_traceback_no_leftovers(tmp_p
     _write(tmp_path, "guardless.py", GUARDLESS_SCRIPT)
     proc = run_cli(
         "run", "--nproc-per-node", "2", "--launcher", "spawn", "guardless.py", str(tmp_path),
-        cwd=tmp_path, timeout=120,
+        cwd=tmp_path, timeout=400,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert [(tmp_path / f"n{r}").read_text() for r in (0, 1)] == ["16", "16"], proc.stderr[-3000:]
