@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 import ddpkit
-from ddpkit.distributed.launch import free_port
+from ddpkit.launcher.launch import free_port
 
 ddp_torchrun = importlib.import_module("03_ddp_torchrun")
 

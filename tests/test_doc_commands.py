@@ -73,6 +73,7 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
+TP_TEST = "tests/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -130,6 +131,15 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
+    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=fsdp dist.offload=cpu --nproc-per-node 2": f"{TP_TEST}[fsdp_offload]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
+    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
         "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"

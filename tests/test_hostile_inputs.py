@@ -251,6 +251,17 @@ def test_a_cut_checkpoint_and_a_newline_in_a_flag_each_give_one_clean_line(tmp_p
     assert "Invalid argument" not in str(caught.value) and "permissions" not in str(caught.value)
     assert_user_error(run_cli("k8s", "--image", "ddpkit:1\nrm -rf /"), "--image")
 
+    from ddpkit.rundir import inspect, newest_readable
+
+    out = tmp_path / ("a-long-folder-name-" * 5) / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    for name in ("last.pt", "epoch_0002.pt", "epoch_0001.pt"):
+        (out / "checkpoints" / name).write_bytes(b"garbage")
+    with pytest.raises(UserError) as none_loads:
+        newest_readable(out, inspect(out), warn=print)
+    what = none_loads.value.what
+    assert what.count(str(out)) == 1 and len(what) - len(str(out)) < 200, what  # path once, reason once
+
 
 # ---------------------------------------------------------------------------------------------------- hangs
 

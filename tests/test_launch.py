@@ -30,14 +30,17 @@ def test_info_single_process():
     assert proc.returncode == 0, proc.stderr
     assert table(proc.stdout) == expect(1)
     assert "launcher=none" in proc.stdout
+    assert proc.stdout.rstrip().endswith("dp=0 tp=0 pp=0")  # the rank's coordinates in the layout
 
 
 @pytest.mark.slow
 def test_info_nproc_per_node_uses_the_elastic_launcher():
-    proc = run_cli("info", "--nproc-per-node", "2")
+    proc = run_cli("info", "dist.tp=2", "--nproc-per-node", "2")
     assert proc.returncode == 0, proc.stderr
     assert table(proc.stdout) == expect(2)  # printed by rank 0 in rank order, once
     assert proc.stdout.count("launcher=torchrun") == 2
+    # each rank's coordinates in the dist.tp x dist.pp layout: tensor-parallel peers share a dp coordinate
+    assert re.findall(r" (dp=\d+ tp=\d+ pp=\d+)$", proc.stdout, re.M) == ["dp=0 tp=0 pp=0", "dp=0 tp=1 pp=0"]
 
 
 @pytest.mark.slow

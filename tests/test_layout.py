@@ -38,3 +38,33 @@ def test_no_module_lists_strategy_names_instead_of_asking_the_registry():
         if pattern.search(p.read_text()) and "strategy.py" not in p.name
     ]
     assert offenders == []
+
+
+def test_a_moved_module_is_importable_by_its_old_name_as_the_same_module():
+    import importlib
+
+    from ddpkit._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (SRC.parent / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new, f"{old}: the module keeps its own spec"
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    folders = {p.parent for p in _sources()}
+    crowded = {
+        f.relative_to(SRC).as_posix() or ".": n
+        for f in folders
+        if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 12
+    }
+    assert crowded == {}
+
+
+def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    section = doc.split("## The folders\n", 1)[1].split("\n## ", 1)[0]
+    mapped = re.findall(r"^\| `([\w/]+/)` \|", section, flags=re.M)
+    folders = {"ddpkit/"} | {p.parent.relative_to(SRC).as_posix() + "/" for p in SRC.rglob("*/__init__.py")}
+    assert sorted(mapped) == sorted(folders)

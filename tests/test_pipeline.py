@@ -3,7 +3,7 @@ interleaved 1F1B), dp2 x pp2 and tp2 x pp2 ends with the full weights of the sin
 global batch (6 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2, pp_split=...)` on a
 user's own small transformer the same; the settings a pipeline cannot run with are one error line each.
 
-Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, five 2- and 4-process runs
+Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, six 2- and 4-process runs
 of a 4-block GPT on a 4 KB text file, one 2-process prepare() run, one refused command); the rest runs
 in-process in well under a second each. Measured: 395 s at load average 17 (other suites running).
 """
@@ -82,6 +82,8 @@ LAYOUTS = {
     "pp2-1f1b": (2, ["dist.pp=2", "dist.pp_schedule=1f1b"], GLOBAL_BATCH),
     "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=interleaved_1f1b"], GLOBAL_BATCH),
     "dp2xpp2": (4, ["dist.pp=2"], GLOBAL_BATCH // 2),
+    # GPipe's forwards before backwards are what DDP around a stage needs find_unused_parameters for
+    "dp2xpp2-gpipe": (4, ["dist.pp=2", "dist.pp_schedule=gpipe"], GLOBAL_BATCH // 2),
 }
 
 
@@ -95,6 +97,8 @@ def test_ddpkit_train_under_a_pipeline_equals_the_single_process_run(layout, ref
     assert run["row"]["val_loss"] == pytest.approx(reference["row"]["val_loss"], rel=1e-4)
     assert run["row"]["train_loss"] == pytest.approx(reference["row"]["train_loss"], rel=1e-4)
     assert f"global batch {GLOBAL_BATCH} " in run["log"]
+    # rank 0 holds its stages only: at most 0.8 of the whole model's parameter bytes (the issue's bound)
+    assert run["row"]["param_bytes_per_rank"] <= 0.8 * reference["row"]["param_bytes_per_rank"]
 
 
 # ---------------------------------------------------------------------------- a user's model through prepare
@@ -148,7 +152,14 @@ def test_what_a_pipeline_cannot_run_is_refused_before_workers_start(setting):
 
 def test_the_refusal_is_one_line_from_the_command(tmp_path, text_file):
     proc = run_cli(
-        "train", *TINY, f"data.root={text_file}", "dist.pp=2", "train.amp=fp16", f"out_dir={tmp_path}/r"
+        "train",
+        *TINY,
+        f"data.root={text_file}",
+        "dist.pp=2",
+        "train.amp=fp16",
+        f"out_dir={tmp_path}/r",
+        "--nproc-per-node",  # two processes can hold two stages: the refusal is the setting's, before they start
+        "2",
     )
     assert_user_error(proc, "train.amp=fp16 cannot run with dist.pp=2")
     assert not (tmp_path / "r").exists()

@@ -1,6 +1,6 @@
 """Atomic file writes without torch: write a temporary file beside the target, fsync, rename over it.
 
-Checkpoints (checkpoint.py, through torch.save) and the report's pictures and tables (report.py, which must not
+Checkpoints (checkpoint/, through torch.save) and the report's pictures and tables (commands/report.py, which must not
 pay for a torch import) are written this way: a reader, or a run killed mid-write, never sees half a file.
 """
 

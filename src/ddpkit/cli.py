@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
-    from ddpkit.distributed.launch import add_launch_flags
+    from ddpkit.launcher.launch import add_launch_flags
 
     p = _Parser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
@@ -76,7 +76,7 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
         raise UserError(f"unknown command '{name}'", hint)
     command = COMMANDS[name]
     if command.mode != "group":
-        from ddpkit.distributed.launch import LAUNCH_FLAGS
+        from ddpkit.launcher.launch import LAUNCH_FLAGS
 
         given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
         if given:
@@ -107,6 +107,12 @@ def preflight(command: Command, cfg, env) -> None:
     from ddpkit.distributed.runtime import resolve_device_backend
 
     resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
+    from ddpkit.parallel.mesh import check_config, layout_of
+
+    if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
+        check_config(cfg, env.world_size)
+    else:
+        layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
     check = getattr(command.module, "preflight", None)
     if check is not None:
         check(cfg)
@@ -130,9 +136,8 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
-    from ddpkit import startup
-    from ddpkit.distributed import warm_start
-    from ddpkit.distributed.launch import (
+    from ddpkit.launcher import startup, warm_start
+    from ddpkit.launcher.launch import (
         launch_elastic,
         launch_spawn,
         set_thread_env,
@@ -142,7 +147,7 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
     spec = spec_from_args(args)
     if spec.starts_workers:
-        from ddpkit.distributed.env import DistEnv
+        from ddpkit.cluster.env import DistEnv
 
         startup.publish()  # the workers measure their start-up from ours
         preload = getattr(command.module, "preload", None)
@@ -154,7 +159,8 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
         in_launcher = getattr(command.module, "in_launcher", None)
         tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
-            preflight(command, cfg, DistEnv(local_world_size=spec.nproc_per_node or 1))
+            nproc = spec.nproc_per_node or 1
+            preflight(command, cfg, DistEnv(local_world_size=nproc, world_size=nproc * spec.nnodes))
             meanwhile = tail.start if tail is not None else None
             with tail if tail is not None else contextlib.nullcontext():
                 if spec.launcher == "spawn":
@@ -169,7 +175,7 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
             print(f"curves: {path}", flush=True)
         return 0
 
-    from ddpkit.distributed.env import detect_env, manual_env
+    from ddpkit.cluster.env import detect_env, manual_env
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     env = (
@@ -190,8 +196,8 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
-    from ddpkit.distributed import stacks
-    from ddpkit.distributed.signals import die_with_launcher
+    from ddpkit.diagnostics import stacks
+    from ddpkit.launcher.signals import die_with_launcher
 
     die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
     stacks.arm()  # SIGUSR2 dumps this process's Python stack
@@ -218,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         sys.stdout.flush()
     except (BrokenPipeError, ValueError):  # the reader of our stdout went away: nothing left to say to it
-        from ddpkit.metrics import silence_stdout
+        from ddpkit.train.metrics import silence_stdout
 
         silence_stdout()
     if _finished_launcher():
@@ -228,10 +234,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _finished_launcher() -> bool:
     """This process is the `ddpkit` program (not a library caller of main()) and it started workers."""
-    launch = sys.modules.get("ddpkit.distributed.launch")
+    launch = sys.modules.get("ddpkit.launcher.launch")
     if launch is None or not launch.launched():
         return False
-    from ddpkit.distributed.warm_start import main_is_ddpkit
+    from ddpkit.launcher.warm_start import main_is_ddpkit
 
     return main_is_ddpkit()
 
@@ -244,7 +250,7 @@ def _exit_without_finalization(code: int) -> NoReturn:
     import os
     import threading
 
-    from ddpkit.distributed.warm_start import exit_steps
+    from ddpkit.launcher.warm_start import exit_steps
 
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

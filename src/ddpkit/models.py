@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ddpkit.config import Config
-from ddpkit.distributed.sync_bn import convert_gloo_sync_batchnorm
 from ddpkit.errors import UserError
+from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
 log = logging.getLogger("ddpkit.models")
 

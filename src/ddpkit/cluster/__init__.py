@@ -1,18 +1,24 @@
-"""`ddpkit slurm` and `ddpkit k8s`: the same training config as `ddpkit train`, as an sbatch script or a PyTorchJob.
+"""Where this process runs: which launcher or scheduler started it (env: the launcher-detector table, Slurm's
+node lists) and which network interface its process group talks over (netif).
 
-Both are local commands: they write or print a job description (and `slurm --submit` hands it to sbatch); the
-job itself then runs `python -m ddpkit train` on every node, which joins the launcher like any other run.
+The `ddpkit slurm` and `ddpkit k8s` commands that write job files live in ddpkit.commands; their names stay
+importable from here for one release.
 """
 
 from __future__ import annotations
 
-from ddpkit.cluster import k8s, slurm
-from ddpkit.cluster.k8s import k8s_command, pytorchjob_manifest
-from ddpkit.cluster.slurm import sbatch_script, slurm_command
+import importlib
+from typing import Any
 
-__all__ = ["add_flags", "k8s_command", "pytorchjob_manifest", "sbatch_script", "slurm_command"]
+_MOVED = {
+    "k8s_command": "ddpkit.commands.k8s",
+    "pytorchjob_manifest": "ddpkit.commands.k8s",
+    "sbatch_script": "ddpkit.commands.slurm",
+    "slurm_command": "ddpkit.commands.slurm",
+}
 
 
-def add_flags(parser) -> None:
-    """The flags of `ddpkit slurm` or `ddpkit k8s` (the parser's prog says which)."""
-    (slurm if parser.prog.endswith("slurm") else k8s).add_flags(parser)
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'ddpkit.cluster' has no attribute {name!r}")

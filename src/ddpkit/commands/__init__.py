@@ -74,26 +74,26 @@ COMMANDS: dict[str, Command] = {
         Command(
             "report",
             "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
-            "ddpkit.report:report_command",
+            "ddpkit.commands.report:report_command",
             config="none",
             mode="local",
         ),
         Command(
             "bench",
             "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
-            "ddpkit.bench:bench_command",
+            "ddpkit.commands.bench:bench_command",
             mode="local",
         ),
         Command(
             "slurm",
             "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
-            "ddpkit.cluster:slurm_command",
+            "ddpkit.commands.slurm:slurm_command",
             mode="local",
         ),
         Command(
             "k8s",
             "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
-            "ddpkit.cluster:k8s_command",
+            "ddpkit.commands.k8s:k8s_command",
             mode="local",
         ),
     )

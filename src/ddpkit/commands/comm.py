@@ -1,6 +1,6 @@
 """`ddpkit comm`: check every collective against closed-form values, then measure bandwidth like nccl-tests.
 
-The check lives in ddpkit.distributed.collective_check, the benchmark in ddpkit.distributed.collective_bench;
+The check lives in ddpkit.diagnostics.collective_check, the benchmark in ddpkit.diagnostics.collective_bench;
 this module holds the flags, the tables and the report.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.collective_bench import BUS_FACTOR, DTYPES, BenchRow, run_benchmark
-from ddpkit.distributed.collective_check import CHECKS, CheckRow, run_check
+from ddpkit.diagnostics.collective_bench import BUS_FACTOR, DTYPES, BenchRow, run_benchmark
+from ddpkit.diagnostics.collective_check import CHECKS, CheckRow, run_check
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
 

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-from ddpkit.distributed import netif
+from ddpkit.cluster import netif
 from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import DistContext, hostname
 
 
-def rank_line(ctx: DistContext) -> str:
-    """This rank's line: who it is, where it runs, and the interface and address its process group uses."""
+def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1) -> str:
+    """This rank's line: who it is, where it runs, the interface and address its process group uses, and its
+    coordinates in the dist.tp x dist.pp layout (dp= tp= pp=)."""
+    from ddpkit.parallel.mesh import layout_of
+
     e = ctx.env
     master = e.init_method if e.init_method.startswith("file://") else f"{e.master_addr}:{e.master_port}"
     return (
         f"rank={e.rank} local_rank={e.local_rank} world_size={e.world_size} host={hostname()} "
         f"backend={ctx.backend} device={ctx.device} node_rank={e.node_rank} launcher={e.launcher} "
-        f"master={master} {netif.current().describe()}"
+        f"master={master} {netif.current().describe()} {layout_of(e.world_size, tp, pp).describe(e.rank)}"
     )
 
 
 def info_command(cfg, args, ctx: DistContext) -> int:
-    lines = gather_object(rank_line(ctx))
+    lines = gather_object(rank_line(ctx, cfg.dist.tp, cfg.dist.pp))
     if lines is not None:
         print("\n".join(lines), flush=True)
     return 0

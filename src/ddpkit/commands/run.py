@@ -9,7 +9,7 @@ script, unchanged, as torchrun would run it — under every launcher.
   or nothing: one process): ddpkit sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR
   and MASTER_PORT from the launcher's own variables and replaces itself with `python -u SCRIPT` (exec), so the
   script's output, signals and exit code are its own.
-In every case the script runs as `__main__` through distributed/usermain.py, which lets a gloo job end cleanly.
+In every case the script runs as `__main__` through launcher/usermain.py, which lets a gloo job end cleanly.
 Everything after SCRIPT (or -m MODULE) belongs to the script.
 """
 
@@ -30,7 +30,7 @@ USAGE = (
 
 def _parser() -> argparse.ArgumentParser:
     from ddpkit.cli import _Parser
-    from ddpkit.distributed.launch import add_launch_flags
+    from ddpkit.launcher.launch import add_launch_flags
 
     p = _Parser(
         prog="ddpkit run",
@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
-    from ddpkit.distributed.launch import LAUNCH_FLAGS
     from ddpkit.distributed.torchrun_compat import NO_VALUE
+    from ddpkit.launcher.launch import LAUNCH_FLAGS
 
     flags = LAUNCH_FLAGS | local_rank.FLAGS
     argv = list(argv)
@@ -74,7 +74,7 @@ def _check_target(target: list[str]) -> None:
     if not target:
         raise UserError("ddpkit run needs a script to run", f"usage: {USAGE}")
     if target[0] == "-m":
-        from ddpkit.usermodule import check_module
+        from ddpkit.launcher.usermodule import check_module
 
         check_module(target[1])
     else:
@@ -87,9 +87,9 @@ def _check_target(target: list[str]) -> None:
 
 def _exec(target: list[str]) -> None:
     """Become `python -u TARGET` with torchrun's variables for this rank (never returns)."""
-    from ddpkit.distributed import usermain
-    from ddpkit.distributed.env import detect_env, torch_variables
-    from ddpkit.distributed.launch import free_port
+    from ddpkit.cluster.env import detect_env, torch_variables
+    from ddpkit.launcher import usermain
+    from ddpkit.launcher.launch import free_port
 
     env = detect_env()
     variables = torch_variables(env)
@@ -103,8 +103,8 @@ def _exec(target: list[str]) -> None:
 
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
-    from ddpkit.distributed.launch import launch_elastic, launch_spawn, spec_from_args
-    from ddpkit.distributed.usermain import run_spawned
+    from ddpkit.launcher.launch import launch_elastic, launch_spawn, spec_from_args
+    from ddpkit.launcher.usermain import run_spawned
 
     flags, target = split(argv)
     args = _parser().parse_args(flags)

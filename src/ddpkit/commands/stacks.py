@@ -1,6 +1,6 @@
 """`ddpkit stacks [PID]`: the Python stack of every rank of a running ddpkit job, each line prefixed `[rankN]:`.
 
-It finds the job folders that ddpkit launchers of this user keep while their workers run (distributed/stacks.py),
+It finds the job folders that ddpkit launchers of this user keep while their workers run (diagnostics/stacks.py),
 sends each running rank SIGUSR2 (faulthandler dumps every thread's stack) and prints the dumps. PID picks one
 launcher (default: every one on this host). `kill -USR2 LAUNCHER_PID` prints the same on the launcher's stderr.
 """
@@ -14,9 +14,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddpkit.distributed.signals import alive
-from ddpkit.distributed.stacks import JOB_PREFIX, collect_stacks, prefixed, registered, running
+from ddpkit.diagnostics.stacks import JOB_PREFIX, collect_stacks, prefixed, registered, running
 from ddpkit.errors import UserError
+from ddpkit.launcher.signals import alive
 
 _JOB = re.compile(rf"^{re.escape(JOB_PREFIX)}(\d+)-")
 

@@ -26,7 +26,7 @@ def check_inputs(cfg: Config) -> None:
 def preflight(cfg: Config) -> None:
     """Checks that run before any worker starts or any file is written: the inputs, then out_dir (a folder we
     may write, held by no live run, and holding no earlier run that this one would overwrite)."""
-    from ddpkit import rundir
+    from ddpkit.train import rundir
 
     check_inputs(cfg)
     rundir.preflight(cfg)
@@ -35,7 +35,7 @@ def preflight(cfg: Config) -> None:
 def preload(cfg: Config) -> list[str]:
     """The modules every worker imports: a launch imports them once, before the workers start."""
     # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
-    modules = ["torch", "ddpkit.cli", "ddpkit.trainer", "torch._dynamo", "torch.utils.tensorboard"]
+    modules = ["torch", "ddpkit.cli", "ddpkit.train.trainer", "torch._dynamo", "torch.utils.tensorboard"]
     modules += ["torch.distributed.elastic.multiprocessing.api", "ddpkit.config_yaml", "ddpkit.data.builtin"]
     if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
         modules.append("torchvision")
@@ -46,15 +46,15 @@ def in_launcher(cfg: Config, spec):
     """What the launcher of a one-node launch does for the run itself: draw curves.png (report.LauncherCurves)."""
     if not cfg.report.curves or spec.nnodes != 1:
         return None
-    from ddpkit.report import LauncherCurves
+    from ddpkit.commands.report import LauncherCurves
 
     return LauncherCurves(cfg.out_dir)
 
 
 def train_command(cfg: Config, args, ctx: DistContext) -> int:
     """`ddpkit train`."""
-    from ddpkit.distributed.health import Heartbeat, explain_comm_failures
-    from ddpkit.trainer import Trainer
+    from ddpkit.train.health import Heartbeat, explain_comm_failures
+    from ddpkit.train.trainer import Trainer
 
     with Heartbeat(ctx.rank, ctx.world_size) as heartbeat:
         with explain_comm_failures(ctx, heartbeat, lambda: 0):  # set-up collectives (DDP's broadcast, ...)

@@ -1,6 +1,7 @@
-"""The distributed runtime: launcher detection, process-group setup, launching, collectives helpers.
+"""The process group: backend and device choice and init_process_group (runtime), by-hand rendezvous
+(rendezvous), and the collective helpers users' scripts and the trainer share (collectives).
 
-Names load on first use (PEP 562), so `import ddpkit.distributed.launch` imports no torch.
+Names load on first use (PEP 562), so `import ddpkit.distributed` imports no torch.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ COLLECTIVES = (
 )
 
 _WHERE = {
-    **dict.fromkeys((*COLLECTIVES, "derive_seed"), "collectives"),
-    **dict.fromkeys(("DistEnv", "detect_env", "expand_nodelist", "parse_nodelist"), "env"),
-    **dict.fromkeys(("DistContext", "init_distributed", "resolve_device_backend", "shutdown"), "runtime"),
+    **dict.fromkeys((*COLLECTIVES, "derive_seed"), "ddpkit.distributed.collectives"),
+    **dict.fromkeys(("DistEnv", "detect_env", "expand_nodelist", "parse_nodelist"), "ddpkit.cluster.env"),
+    **dict.fromkeys(
+        ("DistContext", "init_distributed", "resolve_device_backend", "shutdown"),
+        "ddpkit.distributed.runtime",
+    ),
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        return getattr(importlib.import_module(f"ddpkit.distributed.{_WHERE[name]}"), name)
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'ddpkit.distributed' has no attribute {name!r}")
 
 

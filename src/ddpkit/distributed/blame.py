@@ -33,7 +33,7 @@ def check_importable(fn: Callable[..., Any]) -> None:
 
 
 def _describe(code: int | None) -> str:
-    from ddpkit.distributed.launch import describe_exit
+    from ddpkit.launcher.launch import describe_exit
 
     return describe_exit(code or 0)
 

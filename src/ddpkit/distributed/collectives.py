@@ -30,7 +30,7 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-    from ddpkit.distributed.env import (
+    from ddpkit.cluster.env import (
         world_variables,  # the launcher-detector table's (never a batch shell's)
     )
 

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpkit.distributed.signals import _children
+from ddpkit.launcher.signals import _children
 
 _PR_SET_CHILD_SUBREAPER = 36
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 from ddpkit import channels
-from ddpkit.distributed.env import DistEnv
+from ddpkit.cluster.env import DistEnv
 from ddpkit.errors import UserError, first_line
 
 PROBE_VAR = channels.PROBE_S
@@ -65,7 +65,7 @@ def probe(host: str, port: int, window_s: float | None = None) -> None:
 def probe_launch(backend: str, endpoint: str, node_rank: int, rdzv_timeout: float) -> None:
     """A launcher node that connects to a rendezvous store another node hosts: probe it first (for at most
     --rdzv-timeout)."""
-    from ddpkit.distributed.netif import is_loopback, owns
+    from ddpkit.cluster.netif import is_loopback, owns
 
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import channels
+from ddpkit.cluster.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
+from ddpkit.cluster.netif import use_interface
 from ddpkit.distributed import rendezvous
 from ddpkit.distributed.collectives import group_ended
-from ddpkit.distributed.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
-from ddpkit.distributed.health import stop_heartbeat
-from ddpkit.distributed.netif import use_interface
 from ddpkit.errors import UserError, first_line
+from ddpkit.train.health import stop_heartbeat
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def _drain_at_exit() -> None:
     finalization starts and with the GIL free, lets the thread finish first. A worker forked from the fork
     server ends with os._exit, without finalization: it need not wait.
     """
-    from ddpkit.distributed import warm_start
+    from ddpkit.launcher import warm_start
 
     if not warm_start.ends_without_finalization():
         time.sleep(EXIT_DRAIN_S)

@@ -94,8 +94,8 @@ class PipelineRunner:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # find_unused_parameters: the schedule's backward starts from the stage's output, which DDP's reducer
-        # does not see from forward; without it the reducer asserts on the second step
+        # find_unused_parameters: the schedules run several forwards before their backwards (GPipe), and
+        # without it DDP's reducer fails an internal assert when it rebuilds its buckets (checked with torch 2.14)
         return DDP(module, process_group=self.dp_group, find_unused_parameters=True)
 
     # ---- the parameters this rank owns ---------------------------------------------------------------

@@ -48,7 +48,7 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
         stages, eval_stages = traced_stages(model, resnet_splits(n_stages), example, ids)
     if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
-        from ddpkit.parallel.tensor import apply_tensor_parallel
+        from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
         stages = [apply_tensor_parallel(s, mesh["tp"]) for s in stages]
     runner = PipelineRunner(

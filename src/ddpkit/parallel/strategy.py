@@ -38,7 +38,9 @@ class StrategyEntry:
     module computes the same numbers, so one process falls back to `single`;
     `ddp_knobs`: takes DDP's keyword arguments (dist.bucket_cap_mb, static_graph, grad_as_bucket_view);
     `compression`: registers a gradient-compression hook (dist.grad_compression);
-    `recognizes(model, optimizer)`: true when prepared objects are this strategy's (save_state/load_state).
+    `recognizes(model, optimizer)`: true when prepared objects are this strategy's (save_state/load_state);
+    `over_dtensors`: runs over the "dp" dim of a tensor-parallel model (its parameters DTensors);
+    `offloads`: keeps its shards in CPU memory under dist.offload=cpu.
     """
 
     name: str
@@ -51,6 +53,8 @@ class StrategyEntry:
     ddp_knobs: bool = False
     compression: bool = False
     recognizes: Callable[[Any, Any], bool] | None = None
+    over_dtensors: bool = False
+    offloads: bool = False
 
     def __post_init__(self):
         unknown = set(self.shards) - set(SHARDABLE)
@@ -73,7 +77,14 @@ def register_strategy(entry: StrategyEntry, *, replace: bool = False) -> Strateg
     return entry
 
 
-BUILTIN = ("single", "dp", "ddp", "zero1", "fsdp")  # modules of ddpkit.parallel.strategies, in this order
+BUILTIN = (
+    "single",
+    "dp",
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp",
+)  # modules of ddpkit.parallel.strategies, in this order
 
 
 def _load_builtin() -> None:
@@ -145,6 +156,8 @@ class Strategy:
     is the single-process strategy (the plain module)."""
 
     name = "single"
+    mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
+    offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
 
     def __init__(
         self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
@@ -156,6 +169,16 @@ class Strategy:
     @property
     def entry(self) -> StrategyEntry:
         return get_strategy(self.name)
+
+    @property
+    def dp_mesh(self):
+        """The 1-D mesh of this rank's data-parallel peers (None: all ranks, the default group)."""
+        return self.mesh["dp"] if self.mesh is not None else None
+
+    @property
+    def dp_group(self):
+        """The process group of this rank's data-parallel peers (None: the default group)."""
+        return self.mesh.get_group("dp") if self.mesh is not None else None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module to call forward/backward on."""
@@ -227,13 +250,13 @@ class Strategy:
 
     def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         """(this rank's tensors for a sharded checkpoint, the non-tensor optimizer entries). Collective."""
-        from ddpkit import sharded
+        from ddpkit.checkpoint import sharded
 
         return sharded.state_tensors(self.unwrap(wrapped), optimizer)
 
     def load_sharded(self, wrapped: nn.Module, optimizer, path, side: dict) -> None:
         """A sharded checkpoint folder, written under any layout and world size, into this one. Collective."""
-        from ddpkit import sharded
+        from ddpkit.checkpoint import sharded
 
         sharded.load(path, self.unwrap(wrapped), optimizer, side)
 
@@ -251,16 +274,34 @@ def ddp_options(dist_cfg: Any) -> dict:
 
 
 def build_strategy(
-    name: str, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
+    name: str,
+    ctx: DistContext,
+    ddp_options: dict | None = None,
+    compression: Compression | None = None,
+    *,
+    mesh: Any = None,
+    offload: str = "none",
 ) -> Strategy:
     """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
-    `compression` registers its gradient hook (strategies whose entry says `compression`)."""
+    `compression` registers its gradient hook (strategies whose entry says `compression`).
+
+    `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
+    `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
+    """
     import torch.distributed as dist
 
-    entry = get_strategy(resolve_strategy(name, ctx.world_size))
+    from ddpkit.parallel.mesh import Layout, strategy_over_dp
+
+    layout = Layout(ctx.world_size)
+    if mesh is not None:
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+        layout = Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"])
+    entry = get_strategy(strategy_over_dp(name, layout, offload))
     if entry.needs_group and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
-    return entry.cls(ctx, ddp_options, compression if entry.compression else None)
+    strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
+    strategy.mesh, strategy.offload = mesh, offload
+    return strategy
 
 
 def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:

@@ -26,7 +26,7 @@ class DDPStrategy(Strategy):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        ddp = DDP(model, device_ids=ids, **self.ddp_options)
+        ddp = DDP(model, device_ids=ids, process_group=self.dp_group, **self.ddp_options)
         self._hook_state = self.compression.register(ddp)
         return ddp
 

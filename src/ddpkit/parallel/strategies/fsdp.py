@@ -1,4 +1,9 @@
-"""fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks."""
+"""fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
+
+Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
+further); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
+(CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,22 @@ if TYPE_CHECKING:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    reshard_after_forward: bool | None = (
+        None  # torch's default, ZeRO-3: gathered for forward and again for backward
+    )
 
     def shard_options(self) -> dict:
         """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
-        return {}
+        options: dict = {}
+        if self.reshard_after_forward is not None:
+            options["reshard_after_forward"] = self.reshard_after_forward
+        if self.dp_mesh is not None:
+            options["mesh"] = self.dp_mesh
+        if self.offload == "cpu":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+        return options
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -69,6 +86,8 @@ ENTRY = register_strategy(
         "FSDP2, ZeRO-3: parameters, gradients and optimizer state sharded",
         shards=("optimizer", "gradients", "parameters"),
         remakes_optimizer=True,
+        over_dtensors=True,
+        offloads=True,
         recognizes=_recognizes,
     )
 )

@@ -14,7 +14,10 @@ class Zero1Strategy(DDPStrategy):
 
         template = factory(model)
         return ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=type(template), **constructor_defaults(template)
+            model.parameters(),
+            optimizer_class=type(template),
+            process_group=self.dp_group,
+            **constructor_defaults(template),
         )
 
 

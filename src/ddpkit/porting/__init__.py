@@ -35,7 +35,7 @@ def _context() -> DistContext:
 
 
 def _sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
-    from ddpkit.distributed.sync_bn import convert_gloo_sync_batchnorm
+    from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -74,6 +74,23 @@ def _rebuilt_optimizer(
 def _wrapped(model: nn.Module) -> bool:
     """Already inside a wrapper (DDP, FSDP, torch.compile: prepare() made it, or the user did)."""
     return unwrap_module(model) is not model
+
+
+def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
+    """(layout, mesh) of prepare(tp=...): the mesh only when there is a model to split."""
+    from ddpkit.parallel.mesh import build_mesh, layout_of
+
+    if tp_plan is not None and tp == 1:
+        raise UserError("ddpkit.prepare got a tp_plan but tp=1", "pass tp=2 (or more) with the plan")
+    try:
+        layout = layout_of(ctx.world_size, tp)
+    except UserError as e:
+        raise UserError(f"ddpkit.prepare(tp={tp}): {e.what}", e.hint) from None
+    if tp == 1:
+        return layout, None
+    if not has_model:
+        raise UserError(f"ddpkit.prepare(tp={tp}) needs the model too", "pass the model with its optimizer")
+    return layout, build_mesh(layout, ctx.device.type)
 
 
 def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
@@ -124,6 +141,8 @@ def prepare(
     seed: int = 0,
     ddp_options: dict | None = None,
     roles: Sequence[str] | None = None,
+    tp: int = 1,
+    tp_plan: dict | None = None,
     pp: int = 1,
     pp_split: list[str] | None = None,
     loss_fn: Any = None,
@@ -140,10 +159,21 @@ def prepare(
     anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
     process group if nobody did.
 
+    `tp`: tensor-parallel degree; the model is split over groups of `tp` neighbouring ranks by `tp_plan`, torch's
+    own parallelize_module plan ({submodule name: ColwiseParallel() / RowwiseParallel() / ...}; default: the
+    built-in plan of a ddpkit GPT), the strategy runs over the data-parallel ranks (auto: zero2 when there are
+    several, none with one), the optimizer is re-made over the DTensor parameters, and loaders shard by the
+    data-parallel rank (the ranks of one tensor group read the same samples).
+
     pp > 1: the model is cut into `pp` pipeline stages where each module named in `pp_split` begins and comes
     back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline_api); `loss_fn(output,
     target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
     """
+    if pp != 1 and tp != 1:
+        raise UserError(
+            f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
+            "use one of them with prepare(), or dist.tp and dist.pp with model.arch=gpt",
+        )
     if pp != 1:
         return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
     if strategy != "auto":
@@ -157,16 +187,21 @@ def prepare(
         raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     loader_roles = roles_for(objects, roles)
-    chosen = build_strategy(strategy, ctx, ddp_options)
+    layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
+    chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
     out: dict[int, Any] = {}
     if models and not _wrapped(models[0]):  # one prepared already stays as it is, and so does its optimizer
         model = models[0].to(ctx.device)
         if sync_bn and ctx.world_size > 1:
             model = _sync_bn(model, ctx.device)
         before = list(model.parameters())
+        if mesh is not None:
+            from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
+
+            apply_tensor_parallel(model, mesh["tp"], tp_plan)
         out[id(models[0])] = chosen.wrap(model)
         for opt in optimizers:
-            if chosen.entry.remakes_optimizer:
+            if chosen.entry.remakes_optimizer or mesh is not None:
                 out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
     elif not models and optimizers and chosen.entry.remakes_optimizer:
         raise UserError(
@@ -177,8 +212,9 @@ def prepare(
         remember_model(model_out)
     for obj in objects:
         if isinstance(obj, DataLoader | DistributedLoader):
+            dp_rank = layout.coords(ctx.rank)["dp"]
             out[id(obj)] = prepare_loader(
-                obj, loader_roles.pop(0), seed=seed, rank=ctx.rank, world_size=ctx.world_size, model=model_out
+                obj, loader_roles.pop(0), seed=seed, rank=dp_rank, world_size=layout.dp, model=model_out
             )
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
             raise UserError(

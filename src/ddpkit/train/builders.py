@@ -17,6 +17,7 @@ from ddpkit.config import Config
 from ddpkit.distributed.collectives import rank_zero_first, seed_model_init
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
+from ddpkit.parallel.mesh import Layout, build_mesh, check_config
 from ddpkit.parallel.strategy import Strategy
 
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,12 +60,36 @@ def make_model(
     return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
 
 
+def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
+    """(layout, mesh): how the ranks split into dp x tp x pp (checked), and the ("pp", "dp", "tp") DeviceMesh
+    when tensor parallelism splits the model (None otherwise: the strategy runs over the default group; a
+    pipeline builds its own mesh)."""
+    import torch.distributed as dist
+
+    layout = check_config(cfg, ctx.world_size)
+    tensor = layout.tp > 1 and layout.pp == 1 and dist.is_initialized()
+    return layout, build_mesh(layout, ctx.device.type) if tensor else None
+
+
+def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
+    """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
+    if cfg.model.activation_checkpointing == "full":
+        from ddpkit.parallel.mesh.activation import checkpoint_blocks
+
+        checkpoint_blocks(model)
+    if mesh is not None and mesh["tp"].size() > 1:
+        from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
+    return model
+
+
 def load_weights(
     strategy: Strategy, wrapped: nn.Module, state: dict, path: Any, arch: str, optimizer=None
 ) -> None:
     """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
     tensors read by every rank); one UserError when it does not fit. Collective."""
-    from ddpkit.sharded import is_sharded
+    from ddpkit.checkpoint.sharded import is_sharded
 
     try:
         if is_sharded(path):

@@ -40,13 +40,13 @@ def _worker(
     options: dict[str, Any],
     results: Any,
 ) -> None:
-    from ddpkit.distributed.env import DistEnv, torch_variables
+    from ddpkit.cluster.env import DistEnv, torch_variables
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
     os.environ.update(torch_variables(env), **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    from ddpkit.distributed import stacks
+    from ddpkit.diagnostics import stacks
 
     stacks.arm()  # SIGUSR2 dumps this worker's Python stack to stderr
     try:
@@ -77,7 +77,7 @@ def launch(
     """
     import torch.multiprocessing as mp
 
-    from ddpkit.distributed.launch import free_port
+    from ddpkit.launcher.launch import free_port
 
     if not isinstance(nprocs, int) or nprocs < 1:
         raise UserError(f"ddpkit.launch: nprocs must be a whole number >= 1, got {nprocs!r}", "e.g. nprocs=2")

@@ -1,4 +1,4 @@
-"""A user's own script as `__main__` of a ddpkit worker: `python -u -m ddpkit.distributed.usermain SCRIPT.py ARGS`
+"""A user's own script as `__main__` of a ddpkit worker: `python -u -m ddpkit.launcher.usermain SCRIPT.py ARGS`
 (or `-m MODULE ARGS`) runs it as `python SCRIPT.py ARGS` would, with two differences that only show at exit.
 
 - The script runs inside this process (runpy), so when it returns, the objects it made (a DDP model that still
@@ -94,8 +94,8 @@ def run_spawned(target: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from ddpkit.distributed import stacks
-    from ddpkit.distributed.signals import die_with_launcher
+    from ddpkit.diagnostics import stacks
+    from ddpkit.launcher.signals import die_with_launcher
 
     die_with_launcher()
     stacks.arm()  # SIGUSR2 dumps the script's Python stack (for the launcher's straggler watch)

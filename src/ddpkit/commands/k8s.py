@@ -9,7 +9,7 @@ import re
 import shlex
 from typing import Any
 
-from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
+from ddpkit.commands.jobs import DEFAULT_NAME, add_shape_flags, check_name, check_shape
 from ddpkit.config import Config, to_dict
 from ddpkit.config_schema import shown
 from ddpkit.errors import Preempted, UserError

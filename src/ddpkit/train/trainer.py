@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
-from ddpkit import data, optim, startup
-from ddpkit.builders import load_weights, make_autocast, make_datasets, make_model, to_device
+from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
@@ -30,17 +29,28 @@ from ddpkit.distributed.collectives import (
     gather_object,
     is_dist,
 )
-from ddpkit.distributed.health import Heartbeat, explain_comm_failures
 from ddpkit.distributed.runtime import DistContext
-from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
-from ddpkit.memory import MemoryProbe
-from ddpkit.metrics import RunLog, read_metrics
+from ddpkit.launcher import startup
 from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
-from ddpkit.rundir import RunDir
-from ddpkit.tasks import Task, task_for
-from ddpkit.train_state import TrainState
+from ddpkit.train import optim
+from ddpkit.train.builders import (
+    load_weights,
+    make_autocast,
+    make_datasets,
+    make_layout,
+    make_model,
+    split_model,
+    to_device,
+)
+from ddpkit.train.health import Heartbeat, explain_comm_failures
+from ddpkit.train.memory import MemoryProbe
+from ddpkit.train.metrics import RunLog, read_metrics
+from ddpkit.train.rundir import RunDir
+from ddpkit.train.stop import NonFiniteLoss, StopAgreement
+from ddpkit.train.tasks import Task, task_for
+from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
 
@@ -67,15 +77,25 @@ class Trainer:
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
         self.build()
         self.state = TrainState(
-            self.train_loader, cfg.seed, ctx.rank, ctx.world_size, self.device, self.task.accuracy
+            self.train_loader,
+            cfg.seed,
+            ctx.rank,
+            ctx.world_size,
+            self.device,
+            self.task.accuracy,
+            stream_rank=self.coords["dp"],
         )
         ck = cfg.checkpoint
         self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
-        """Data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its builder."""
-        cfg = self.cfg
+        """Layout, data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its
+        builder."""
+        cfg, ctx = self.cfg, self.ctx
+        self.layout, self.mesh = make_layout(cfg, ctx)  # dp x tp x pp, and its device mesh when tp splits
+        self.coords = self.layout.coords(ctx.rank)
+        self.counts = self.layout.counts(ctx.rank)  # this rank's sums are its dp replica's
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
@@ -86,6 +106,7 @@ class Trainer:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
+        # ranks of one tensor / pipeline group read the same samples: shards by the dp coordinate and degree
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
@@ -105,7 +126,9 @@ class Trainer:
         """The model, the strategy and the wrapped model; returns (this rank's data-parallel replica, replicas):
         what the loaders shard by (under a pipeline the ranks of one pipeline read the same samples)."""
         cfg, ctx = self.cfg, self.ctx
-        self.model = make_model(cfg, ctx, self.spec, report=self.log.info)
+        # activation checkpointing, and tensor parallelism over the mesh's "tp" dim (a pipeline applies it
+        # to each of its stages)
+        self.model = split_model(cfg, make_model(cfg, ctx, self.spec, report=self.log.info), self.mesh)
         self.pipeline = None
         if cfg.dist.pp > 1:
             shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
@@ -114,10 +137,16 @@ class Trainer:
             self.wrapped = self.model
             return self.pipeline.coords["dp"], self.pipeline.layout.dp
         self.strategy = build_strategy(
-            cfg.dist.strategy, ctx, ddp_options(cfg.dist), Compression.from_config(cfg.dist)
+            cfg.dist.strategy,
+            ctx,
+            ddp_options(cfg.dist),
+            Compression.from_config(cfg.dist),
+            mesh=self.mesh,
+            offload=cfg.dist.offload,
         )
         self.wrapped = self.strategy.wrap(self.model)
-        return ctx.rank, ctx.world_size
+        # ranks of one tensor-parallel group read the same samples: shards by the dp coordinate and degree
+        return self.coords["dp"], self.layout.dp
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -197,7 +226,7 @@ class Trainer:
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
                 # a pipeline's norm is over every stage's gradients
-                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_local
+                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_grad_norm
                 clip(self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.memory.after_step(self.optimizer)
@@ -205,9 +234,6 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.state.step += 1
-
-    def _clip_local(self, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
@@ -220,8 +246,17 @@ class Trainer:
                     logits = self.wrapped(x)
                 loss = self.task.loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
-            self.task.accumulate(self.state.sums, loss, logits, y)
+            if self.counts:  # tensor-parallel peers computed the same numbers
+                self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
+
+    def _clip_grad_norm(self, max_norm: float) -> None:
+        if self.layout.tp > 1:  # gradients on several meshes: torch's clip cannot mix them
+            from ddpkit.parallel.mesh.tensor import clip_grad_norm_
+
+            clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -234,9 +269,10 @@ class Trainer:
             self.device,
             self.criterion,
             self.autocast,
-            self.strategy.collective_forward,
+            self.strategy.collective_forward or self.layout.tp > 1,
             self.cfg.model.channels_last,
             task=self.task,
+            counts=self.counts,
         )
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -329,10 +365,16 @@ class Trainer:
         pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if self.pipeline is not None else ""
         return (
             f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}{pipe}, global batch {self.global_batch} "
+            f"strategy {self.strategy.name}{pipe}{self._layout_words()}, global batch {self.global_batch} "
             f"({cfg.train.batch_size} x {self.replicas} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
             f"{self.steps_per_epoch} optimizer steps/epoch"
         )
+
+    def _layout_words(self) -> str:
+        """` over dp=2 x tp=2 x pp=1` when the model is split, nothing otherwise."""
+        if not self.layout.parallel:
+            return ""
+        return f" over dp={self.layout.dp} x tp={self.layout.tp} x pp={self.layout.pp}"
 
     def _metrics_row(
         self, epoch: int, train: tuple[float, float | None, int], val: dict, elapsed: float
@@ -379,7 +421,7 @@ class Trainer:
                 f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
                 f"on {last['val_samples']} samples"
             )
-        from ddpkit import report
+        from ddpkit.commands import report
 
         if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
             if read_metrics(self.cfg.out_dir):
@@ -410,10 +452,14 @@ def evaluate(
     collective_forward: bool = False,
     channels_last: bool = False,
     task: Task | None = None,
+    counts: bool = True,
 ) -> dict[str, Any]:
     """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
-    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`."""
-    from ddpkit.tasks import EVAL_WIDTH, Classification
+    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`.
+
+    `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
+    peers): they run every forward but add nothing."""
+    from ddpkit.train.tasks import EVAL_WIDTH, Classification
 
     task = task or Classification(criterion)
     was_training = model.training
@@ -438,7 +484,7 @@ def evaluate(
             continue
         sums += task.eval_sums(logits, y)
     model.train(was_training)
-    return task.val_fields(all_reduce_sum(sums).tolist())
+    return task.val_fields(all_reduce_sum(sums if counts else torch.zeros_like(sums)).tolist())
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:

@@ -514,7 +514,7 @@ def _entry_point_detectors() -> None:
         if not isinstance(detector, LauncherDetector):
             raise UserError(
                 f"entry point '{ep.value}' for launcher '{ep.name}' gave {type(detector).__name__}",
-                "it must name a ddpkit.distributed.env.LauncherDetector (or a function returning one)",
+                "it must name a ddpkit.cluster.env.LauncherDetector (or a function returning one)",
             )
         register_launcher(detector)
 

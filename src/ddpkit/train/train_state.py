@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, derive_seed, seed_everything
-from ddpkit.metrics import RunningSums
-from ddpkit.rng import rng_state, set_rng_state
+from ddpkit.porting.rng import rng_state, set_rng_state
+from ddpkit.train.metrics import RunningSums
 
 if TYPE_CHECKING:
     from ddpkit.data import DistributedLoader
@@ -31,10 +31,13 @@ class TrainState:
         world_size: int,
         device: torch.device,
         accuracy: bool = True,
+        stream_rank: int | None = None,
     ):
         self.loader = loader  # its state_dict() is the position in the epoch
         self.seed, self.rank, self.world_size, self.device = seed, rank, world_size, device
         self.accuracy = accuracy  # classification; False: a language model's sums count tokens
+        # the rank that seeds the dropout/augmentation streams: tensor-parallel peers share their dp rank's
+        self.stream_rank = rank if stream_rank is None else stream_rank
         self.epoch = 0  # finished epochs
         self.step = 0  # optimizer steps taken
         self.best_acc1 = -1.0
@@ -54,7 +57,7 @@ class TrainState:
         if self.consumed:  # resumed mid-epoch: position, RNG and partial sums came from the checkpoint
             return
         # Augmentation and dropout streams: a function of (seed, rank, epoch), so a resumed run repeats them.
-        seed_everything(derive_seed(self.seed, self.rank, epoch))
+        seed_everything(derive_seed(self.seed, self.stream_rank, epoch))
         self.loader.set_epoch(epoch)
         self.sums, self.resumed_samples = RunningSums(self.device, self.accuracy), 0
 

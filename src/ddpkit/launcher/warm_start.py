@@ -24,10 +24,10 @@ from multiprocessing import forkserver
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.distributed import signals
+from ddpkit.launcher import signals
 
 DISABLE_VAR = channels.WARM_START  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
-SERVER = "ddpkit.distributed.warm_server"
+SERVER = "ddpkit.launcher.warm_server"
 _started = False
 
 
@@ -101,7 +101,7 @@ def exit_steps() -> None:
 
 def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, str]) -> None:
     """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
-    from ddpkit.distributed import warm_server
+    from ddpkit.launcher import warm_server
 
     channels.FLAGS.forked_worker = True
     agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}

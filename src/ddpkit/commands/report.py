@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit import channels
+from ddpkit.commands.outputs import MARKER, add_force_flag, check_output
 from ddpkit.errors import UserError
-from ddpkit.outputs import MARKER, add_force_flag, check_output
 from ddpkit.parallel.strategy import resolve_strategy
 
 __all__ = ["check_output"]  # bench's outputs are checked the same way
@@ -67,7 +67,7 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
     """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the numbering went back).
     Lines that are not ddpkit's epoch lines (foreign, damaged, a non-number where a number goes) are skipped
     and counted in one warning through `warn`."""
-    from ddpkit.metrics_file import read_lines
+    from ddpkit.train.metrics_file import read_lines
 
     try:
         lines = read_lines(path)
@@ -394,7 +394,7 @@ class LauncherCurves:
 
     def draw(self) -> Path | None:
         """curves.png of the run that just ended (None when it wrote no metrics line: nothing to draw)."""
-        from ddpkit.metrics import read_metrics
+        from ddpkit.train.metrics import read_metrics
 
         if self._imports.is_alive():
             self._imports.join()

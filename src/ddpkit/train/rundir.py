@@ -19,7 +19,7 @@ from typing import TypeVar
 from ddpkit.atomicio import TEMP_RE
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
 from ddpkit.errors import Failure, UserError, describe_os_error
-from ddpkit.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
+from ddpkit.train.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true
 RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png")
@@ -170,7 +170,7 @@ class Earlier:
 
 def inspect(out_dir: str | os.PathLike) -> Earlier:
     """What out_dir holds of an earlier run (reads only)."""
-    from ddpkit.metrics import read_metrics
+    from ddpkit.train.metrics import read_metrics
 
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
@@ -190,18 +190,21 @@ def _fresh_hint(out: Path) -> str:
 
 def newest_readable(out: Path, earlier: Earlier, warn: Callable[[str], None]) -> tuple[str, dict]:
     """(path, state) of the newest checkpoint a run continues from; UserError listing them when none loads."""
-    broken = []
+    broken: list[str] = []
+    why: dict[str, list[str]] = {}  # reason -> file names: the refusal names out_dir once, each reason once
     for path in CheckpointDir(out).candidates():
         try:
             state = load_checkpoint(path, require=TRAIN_KEYS)
         except UserError as e:
             broken.append(e.what)
+            reason = e.what.replace(f"checkpoint '{path}' ", "", 1).removeprefix("is ")
+            why.setdefault(reason, []).append(path.name)
             continue
         for what in broken:
             warn(f"ddpkit: warning: {what}; falling back to an older checkpoint")
         return str(path), state
     if broken:
-        shown = "; ".join(broken[:3]) + (f"; and {len(broken) - 3} more" if len(broken) > 3 else "")
+        shown = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in why.items())
         raise UserError(
             f"no checkpoint of the run in out_dir '{out}' can be continued: {shown}",
             "move them aside and rerun, " + _fresh_hint(out),

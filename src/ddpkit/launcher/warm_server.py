@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ddpkit.distributed import signals
+from ddpkit.launcher import signals
 
 BASE_ENV = dict(os.environ)
 HELD = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.collective_check import DTYPES, all_gather_flat, reduce_scatter_flat, sync
+from ddpkit.diagnostics.collective_check import DTYPES, all_gather_flat, reduce_scatter_flat, sync
 from ddpkit.distributed.collectives import all_reduce_mean, barrier
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import first_line

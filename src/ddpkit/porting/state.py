@@ -21,7 +21,7 @@ from torch import nn
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.distributed.collectives import all_gather_object, barrier, get_rank, get_world_size
 from ddpkit.errors import UserError, first_line
-from ddpkit.rng import rng_state, set_rng_state
+from ddpkit.porting.rng import rng_state, set_rng_state
 
 FORMAT = "ddpkit.state/1"
 STATEFUL = ("scheduler", "scaler", "loader")  # objects whose state_dict() save_state keeps

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import dcp_io
+from ddpkit.checkpoint import dcp_io
 from ddpkit.parallel import state_dict as sd_mod
 from ddpkit.parallel.state_dict import GROUPS, PARAMS, STATE
 

@@ -8,7 +8,7 @@ the launcher.
   or under a warm start the fork server, which itself dies with the launcher. A launcher killed with SIGKILL
   therefore leaves no worker behind.
 
-A user's script under `ddpkit run` sets that up through distributed/usermain.py.
+A user's script under `ddpkit run` sets that up through launcher/usermain.py.
 """
 
 from __future__ import annotations

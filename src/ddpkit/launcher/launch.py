@@ -19,10 +19,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.distributed import reaper, signals, stacks, torchrun_compat, usermain, warm_start
-from ddpkit.distributed.netif import hosted_endpoint, use_interface
-from ddpkit.distributed.peers import name_lost_nodes, watch
+from ddpkit.cluster.netif import hosted_endpoint, use_interface
+from ddpkit.diagnostics import stacks
+from ddpkit.distributed import reaper, torchrun_compat
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
+from ddpkit.launcher import signals, usermain, warm_start
+from ddpkit.launcher.peers import name_lost_nodes, watch
 
 PREEMPTED_EXIT = Preempted.exit_code
 
@@ -135,7 +137,7 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
     """Under srun with one task per node (`srun -N 2 --ntasks-per-node 1 ddpkit ... --nnodes 2`), each task is
     one node's agent: node 0 is the first host of the node list, this node's rank is SLURM_NODEID, the port is
     derived from the job id unless MASTER_PORT is set."""
-    from ddpkit.distributed.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
+    from ddpkit.cluster.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
 
     nodes = slurm_nodelist(environ)
     if (

@@ -1,4 +1,5 @@
-"""One device mesh for every parallel layout: pipeline x data x tensor.
+"""One device mesh for every parallel layout: pipeline x data x tensor; the modules beside it split the model
+itself over the mesh (`tensor`: tensor parallelism; `activation`: activation checkpointing).
 
 The ranks form a (pp, dp, tp) grid, tensor-parallel peers next to each other (rank = (pp_i * dp + dp_j) * tp +
 tp_k), so a tensor-parallel group sits on one node whenever tp divides the processes per node. The data-parallel
@@ -81,10 +82,17 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 # ------------------------------------------------------------------------------------- checks of a config
 
-# Strategies that run over a data-parallel dim whose model holds DTensors (tensor parallel).
-TP_STRATEGIES = ("zero2", "fsdp")
-OFFLOAD_STRATEGIES = ("fsdp", "zero2")
-CHECKPOINTED_ARCHS = ("gpt",)
+AUTO_OVER_TP = "zero2"  # dist.strategy=auto over the dp dim of a tensor-parallel model
+AUTO_OFFLOAD = "fsdp"  # dist.strategy=auto with dist.offload=cpu
+CHECKPOINTED_ARCHS = ("gpt",)  # model families whose blocks activation checkpointing re-computes
+
+
+def _names(flag: str) -> str:
+    """`zero2 or fsdp`: the registered strategies whose entry has `flag`."""
+    from ddpkit.parallel.strategy import get_strategy, strategy_names
+
+    names = [n for n in strategy_names() if getattr(get_strategy(n), flag)]
+    return " or ".join(names)
 
 
 def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
@@ -92,39 +100,28 @@ def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
     for a combination torch cannot do."""
     from ddpkit.parallel.strategy import get_strategy, resolve_strategy
 
-    if layout.tp > 1:
-        if name == "auto":
-            return "zero2" if layout.dp > 1 else "single"
-        if name in ("ddp", "zero1"):
-            raise UserError(
-                f"dist.strategy={name} cannot run over tensor-parallel (DTensor) parameters (dist.tp={layout.tp})",
-                "use dist.strategy=auto (zero2 over the data-parallel ranks), zero2 or fsdp",
-            )
-        if layout.dp == 1 and name in ("single", "dp"):
-            return "single"
     if offload == "cpu":
-        if name == "auto":
-            name = "fsdp"
-        if name not in OFFLOAD_STRATEGIES:
+        name = AUTO_OFFLOAD if name == "auto" else name
+        if not get_strategy(name).offloads:
             raise UserError(
-                f"dist.offload=cpu needs dist.strategy fsdp or zero2 (FSDP2's CPU offload), not {name}",
-                "use dist.strategy=fsdp or zero2, or dist.offload=none",
+                f"dist.offload=cpu needs a strategy that shards with FSDP2 ({_names('offloads')}), not {name}",
+                f"use dist.strategy={AUTO_OFFLOAD}, or dist.offload=none",
             )
-        if layout.world_size == 1:
+        if layout.dp == 1:
             raise UserError(
-                "dist.offload=cpu needs several processes (FSDP2 shards over them)",
-                "start two or more processes (--nproc-per-node 2), or use dist.offload=none",
+                "dist.offload=cpu needs several data-parallel processes (FSDP2 shards over them)",
+                "start more processes (e.g. --nproc-per-node 2), or use dist.offload=none",
             )
-    if layout.parallel and layout.dp == 1 and name == "auto":
-        return "single"
+    if name == "auto" and layout.tp > 1 and layout.dp > 1:
+        return AUTO_OVER_TP
+    if layout.dp == 1 and layout.parallel and name != "auto" and get_strategy(name).one_process:
+        return "single"  # nothing to do over one data-parallel replica
     resolved = resolve_strategy(name, layout.dp)
-    if layout.tp > 1 and resolved not in (*TP_STRATEGIES, "single"):
-        entry = get_strategy(resolved)
-        if not entry.shards:  # a registered strategy of its own: its wrapper must take DTensor parameters
-            raise UserError(
-                f"dist.strategy={resolved} is not known to work with dist.tp={layout.tp}",
-                "use dist.strategy=auto, zero2 or fsdp",
-            )
+    if layout.tp > 1 and resolved != "single" and not get_strategy(resolved).over_dtensors:
+        raise UserError(
+            f"dist.strategy={resolved} cannot run over tensor-parallel (DTensor) parameters (dist.tp={layout.tp})",
+            f"use dist.strategy=auto ({AUTO_OVER_TP} over the data-parallel ranks), or {_names('over_dtensors')}",
+        )
     return resolved
 
 
@@ -158,7 +155,14 @@ def check_config(cfg: Any, world_size: int) -> Layout:
     """Every layout check of a config for `world_size` ranks, before any worker starts; returns the Layout."""
     layout = layout_of(world_size, cfg.dist.tp, cfg.dist.pp)
     check_model(cfg, layout)
-    strategy_over_dp(cfg.dist.strategy, layout, cfg.dist.offload)
+    if layout.pp == 1:  # a pipeline runs DDP over its replicas (parallel/pipeline_plan.py checks the rest)
+        strategy_over_dp(cfg.dist.strategy, layout, cfg.dist.offload)
+    elif layout.tp > 1 and layout.dp > 1:
+        raise UserError(
+            f"dist.tp={layout.tp} x dist.pp={layout.pp} on {world_size} processes leaves dp={layout.dp}: the "
+            "pipeline's DDP over the data-parallel replicas cannot take tensor-parallel (DTensor) stages",
+            f"start tp x pp = {layout.tp * layout.pp} processes, or drop dist.tp",
+        )
     return layout
 
 

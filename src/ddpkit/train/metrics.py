@@ -66,7 +66,7 @@ class RunningSums:
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
-    from ddpkit.metrics_file import read_lines
+    from ddpkit.train.metrics_file import read_lines
 
     try:
         return read_lines(Path(out_dir) / "metrics.jsonl").rows

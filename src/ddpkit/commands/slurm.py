@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from ddpkit.atomicio import atomic_write
-from ddpkit.cluster.common import DEFAULT_NAME, add_shape_flags, check_name, check_shape
+from ddpkit.commands.jobs import DEFAULT_NAME, add_shape_flags, check_name, check_shape
+from ddpkit.commands.outputs import MARKER, add_force_flag, check_output
 from ddpkit.config import Config, to_yaml
 from ddpkit.errors import Preempted, UserError
-from ddpkit.outputs import MARKER, add_force_flag, check_output
 
 _TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")

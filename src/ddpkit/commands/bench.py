@@ -18,9 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import UserError, WorkerFailure
-from ddpkit.outputs import add_force_flag
-from ddpkit.report import (
+from ddpkit.commands.outputs import add_force_flag
+from ddpkit.commands.report import (
     check_output,
     flatten,
     load_run,
@@ -28,6 +27,7 @@ from ddpkit.report import (
     png_bytes,
     write_bytes,
 )
+from ddpkit.errors import UserError, WorkerFailure
 
 DEFAULT_STEPS = 20
 # Used unless the config file or a KEY=VALUE sets them: synthetic data (no download, any size), the built-in CNN.

@@ -1,0 +1,74 @@
+"""Modules that moved into the subsystem folders, importable under their old names for one release.
+
+An old name is an alias of the module itself, not a copy: `import ddpkit.trainer` gives the very module object
+`ddpkit.train.trainer` (so a test's or a user's monkeypatch of the old name patches the code that runs). The
+table is the whole mechanism: no file is left at an old path. Installed by `ddpkit/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+
+_D, _L, _T = "ddpkit.distributed.", "ddpkit.launcher.", "ddpkit.train."
+
+MOVED: dict[str, str] = {
+    **{
+        _D + m: _L + m
+        for m in ("launch", "spawn", "warm_start", "warm_server", "usermain", "signals", "peers")
+    },
+    _D + "env": "ddpkit.cluster.env",
+    _D + "netif": "ddpkit.cluster.netif",
+    _D + "sync_bn": "ddpkit.parallel.sync_bn",
+    _D + "collective_check": "ddpkit.diagnostics.collective_check",
+    _D + "collective_bench": "ddpkit.diagnostics.collective_bench",
+    _D + "stop": _T + "stop",
+    _D + "health": _T + "health",
+    **{
+        "ddpkit." + m: _T + m
+        for m in ("trainer", "builders", "optim", "train_state", "rundir", "runlock", "metrics")
+    },
+    "ddpkit.startup": "ddpkit.launcher.startup",
+    "ddpkit.rng": "ddpkit.porting.rng",
+    _D + "stacks": "ddpkit.diagnostics.stacks",
+    "ddpkit.checkpoint_fields": "ddpkit.checkpoint.fields",
+    "ddpkit.usermodule": "ddpkit.launcher.usermodule",
+    "ddpkit.metrics_file": _T + "metrics_file",
+    "ddpkit.outputs": "ddpkit.commands.outputs",
+    "ddpkit.memory": _T + "memory",
+    "ddpkit.tasks": _T + "tasks",
+    "ddpkit.sharded": "ddpkit.checkpoint.sharded",
+    "ddpkit.dcp_io": "ddpkit.checkpoint.dcp_io",
+    "ddpkit.state": "ddpkit.porting.state",
+    "ddpkit.report": "ddpkit.commands.report",
+    "ddpkit.bench": "ddpkit.commands.bench",
+    "ddpkit.cluster.slurm": "ddpkit.commands.slurm",
+    "ddpkit.cluster.k8s": "ddpkit.commands.k8s",
+    "ddpkit.cluster.common": "ddpkit.commands.jobs",
+}
+
+
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old name and hands back the module at its new one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec) -> ModuleType:
+        module = importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system stamped the old name's spec on the module: give it back its own
+        module.__spec__ = module.__spec__.loader_state
+
+
+def install() -> None:
+    if not any(isinstance(f, _Alias) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Alias())

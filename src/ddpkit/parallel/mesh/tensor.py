@@ -1,0 +1,119 @@
+"""Tensor parallelism (Megatron-LM style) with torch.distributed.tensor.parallel, and the full state of a model
+whose parameters are DTensors.
+
+The plan for the built-in GPT (ddpkit.gpt.GPT): in every block wq, wk, wv and mlp.fc are column-parallel (each
+rank computes n_head / tp heads, a quarter of the MLP's width on 4 ranks), attn.wo and mlp.proj row-parallel
+(their partial sums reduced); with sequence parallelism the LayerNorms and the residual stream between the
+blocks hold 1/tp of the sequence each (all-gather in, reduce-scatter out, instead of all-reduces), the embeddings
+and the output head stay replicated. The attention counts its heads from the tensor it gets, so the module is
+unchanged. A user's model takes torch's own plan: `ddpkit.prepare(model, tp=2, tp_plan={...})`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ddpkit.errors import UserError
+
+
+def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
+    """The parallelize_module plan of a ddpkit.gpt.GPT (a pipeline stage's blocks and parts too)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the matmuls
+    plan: dict[str, Any] = {}
+    for i in model.blocks:
+        b = f"blocks.{i}."
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc"):
+            plan[b + name] = ColwiseParallel(input_layouts=between)
+        for name in ("attn.wo", "mlp.proj"):
+            plan[b + name] = RowwiseParallel(output_layouts=between)
+        if sequence_parallel:
+            plan[b + "ln1"] = plan[b + "ln2"] = SequenceParallel()
+    if sequence_parallel:
+        if (
+            getattr(model, "tok_emb", None) is not None
+        ):  # the replicated embedding's output: split the sequence
+            plan["drop"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+        if getattr(model, "ln_f", None) is not None:
+            plan["ln_f"] = SequenceParallel()
+        if getattr(model, "head", None) is not None:  # the replicated head sees the whole sequence
+            plan["head"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    return plan
+
+
+def check_gpt_split(model: nn.Module, tp: int) -> None:
+    """Heads and width divisible by tp (a UserError otherwise)."""
+    for what, value in (("n_head", model.n_head), ("n_embd", model.n_embd)):
+        if value % tp:
+            raise UserError(
+                f"model.{what}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
+                f"use a model.{what} that is a multiple of {tp}, or another dist.tp",
+            )
+
+
+def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
+    """The built-in plan of `model` (ddpkit.gpt.GPT); a UserError for a model without one."""
+    from ddpkit.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise UserError(
+            f"dist.tp={tp}: there is no tensor-parallel plan for a {type(model).__name__}",
+            "use model.arch=gpt, or pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...})",
+        )
+    check_gpt_split(model, tp)
+    # sequence parallel on the whole model; a pipeline stage takes and gives whole hidden states
+    whole = all(getattr(model, part, None) is not None for part in ("tok_emb", "head"))
+    return gpt_plan(model, sequence_parallel=whole)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None = None) -> nn.Module:
+    """Split `model` over the 1-D `tp_mesh` by `plan` (default: the built-in plan of its family), in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = plan_for(model, tp_mesh.size()) if plan is None else plan
+    try:
+        return parallelize_module(model, tp_mesh, plan)
+    except (ValueError, KeyError, AttributeError, RuntimeError) as e:
+        from ddpkit.errors import first_line
+
+        raise UserError(
+            f"the tensor-parallel plan does not fit the model: {first_line(e)}",
+            "name submodules of the model (model.named_modules()) with torch.distributed.tensor.parallel styles",
+        ) from None
+
+
+def clip_grad_norm_(parameters, max_norm: float):
+    """torch.nn.utils.clip_grad_norm_ for a model whose gradients mix DTensors of several meshes and plain
+    tensors (tensor parallel, with or without FSDP2 over dp): each gradient's norm taken whole, then one
+    coefficient for all. Returns the total norm before clipping."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, 2)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total_sq += norm.detach().double().cpu() ** 2
+    total = total_sq.sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+__all__ = ["apply_tensor_parallel", "clip_grad_norm_", "gpt_plan", "plan_for"]
