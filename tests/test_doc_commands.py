@@ -78,9 +78,10 @@ COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
     ),
-    # with train.max_steps=3, sgd at a constant lr and the global batch of the single-process reference
-    "ddpkit train dist.strategy=fsdp checkpoint.format=sharded --nproc-per-node 2": (
-        "tests/test_sharded_checkpoint.py::test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights"
+    # the tiny transformer on a small text, train.max_steps=3, sgd at a constant lr (the reference's settings)
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 checkpoint.format=sharded --nproc-per-node 4": (
+        "tests/test_sharded_checkpoint.py::"
+        "test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights"
     ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
     "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
