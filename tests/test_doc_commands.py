@@ -80,29 +80,29 @@ COVERED = {
     ),
     # the tiny transformer on a small text, train.max_steps=3, sgd at a constant lr (the reference's settings)
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 checkpoint.format=sharded --nproc-per-node 4": (
-        "tests/test_sharded_checkpoint.py::"
+        "tests/checkpoint/test_sharded_checkpoint.py::"
         "test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights"
     ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
-    "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
-    "ddpkit comm --nproc-per-node 2": "tests/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
-    "ddpkit bench --nproc 1,2": "tests/test_bench.py::test_bench_one_and_two_processes",
+    "ddpkit info --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit comm --nproc-per-node 2": "tests/diagnostics/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
+    "ddpkit bench --nproc 1,2": "tests/commands/test_bench.py::test_bench_one_and_two_processes",
     # the same flags (--steps, --json, --out) on 1,2 processes: 4 CPU processes on 2 cores prove nothing more
     "ddpkit bench --nproc 1,2,4 --steps 20 --json bench.json --out bench.png": (
-        "tests/test_bench.py::test_bench_one_and_two_processes"
+        "tests/commands/test_bench.py::test_bench_one_and_two_processes"
     ),
     # train.py is the user's torchrun-style script: the tests use the tutorial's, tests/scripts/torchrun_ddp.py
     "ddpkit run --nproc-per-node 2 train.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 train.py --epochs 10": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 --launcher spawn torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "srun -n 2 ddpkit run torchrun_ddp.py --epochs 3": (
         "tests/system/test_run_scripts.py::test_srun_two_tasks_run_a_torchrun_style_script_unchanged"
@@ -143,15 +143,15 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
-        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
+        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": (
-        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
+        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
-    "--nproc-per-node 2": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
+    "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.
@@ -418,6 +418,12 @@ def test_every_make_line_is_a_target_of_the_makefile(command):
         ["make", "--no-print-directory", "-n", *command.split()[1:]], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+    # the dry run prints the target's own recipe: each of its words that names no make variable
+    makefile = (REPO / "Makefile").read_text()
+    for target in command.split()[1:]:
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        words = {w for line in recipe for w in line.split() if "$" not in w}
+        assert recipe and words <= set(proc.stdout.split()), (target, words - set(proc.stdout.split()))
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def parse_counts(text: str) -> list[int]:
 def _keys_set_by_user(config_file: str | None, overrides: list[str]) -> set[str]:
     keys = {o.split("=", 1)[0] for o in overrides}
     if config_file:
-        from ddpkit.config_yaml import read_config_file
+        from ddpkit.config.safe_yaml import read_config_file
 
         keys |= set(flatten(read_config_file(config_file)))  # bounded: size, aliases, nesting
     return keys

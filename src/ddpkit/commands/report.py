@@ -130,7 +130,7 @@ def flatten(tree: Any, prefix: str = "", out: dict[str, Any] | None = None) -> d
 
 def _read_config(path: Path) -> tuple[dict[str, Any], str]:
     """A run's config.yaml through the bounded reader (size, aliases, nesting): flattened, and its text."""
-    from ddpkit.bounded import read_yaml_file
+    from ddpkit.config.bounded import read_yaml_file
 
     if not path.is_file():
         raise _bad(path.parent, "has no config.yaml")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +31,7 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-    from ddpkit.cluster.env import (
+    from ddpkit.cluster.launchers import (
         world_variables,  # the launcher-detector table's (never a batch shell's)
     )
 
@@ -192,13 +193,20 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Every rank's `obj` in rank order on `dst`; None elsewhere."""
+def gather_object_to(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj` in rank order on rank `dst` only; None on the others (`all_gather_object`: on every
+    rank, as `gather` does for tensors and lists)."""
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * get_world_size() if get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
     return out
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Deprecated: `gather_object_to` (on one rank), or `all_gather_object` (on every rank, like `gather`)."""
+    _deprecated("gather_object", "gather_object_to(obj, dst) (or all_gather_object for every rank)")
+    return gather_object_to(obj, dst)
 
 
 def gather(value: Any) -> Any:
@@ -248,8 +256,17 @@ def seed_everything(seed: int) -> None:
 
 
 def seed_model_init(seed: int) -> None:
-    """Same seed on every rank, so every rank builds identical initial weights."""
+    """Deprecated: `seed_everything(seed)` with the same seed on every rank does the same."""
+    _deprecated("seed_model_init", "seed_everything(seed)")
     seed_everything(seed)
+
+
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(
+        f"ddpkit.{name} is deprecated and goes in the next release: use ddpkit.{instead}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def seed_rank(seed: int, rank: int | None = None) -> int:

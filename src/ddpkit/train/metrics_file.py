@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bounded import loads_json
+from ddpkit.config.bounded import loads_json
 
 MAX_METRICS_BYTES = 64 << 20  # a run of 10,000 epochs writes about 5 MiB
 MAX_LINE_BYTES = 1 << 20

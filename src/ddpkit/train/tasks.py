@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from ddpkit.data import DataSpec
-    from ddpkit.metrics import RunningSums
-    from ddpkit.train_state import TrainState
+    from ddpkit.train.metrics import RunningSums
+    from ddpkit.train.train_state import TrainState
 
 EVAL_WIDTH = 5  # evaluation sums: [loss sum, top-1 hits, top-5 hits, samples, units (samples or tokens)]
 

@@ -26,7 +26,7 @@ from ddpkit.distributed.collectives import (
     all_reduce_sum,
     barrier,
     broadcast_object,
-    gather_object,
+    gather_object_to,
     is_dist,
 )
 from ddpkit.distributed.runtime import DistContext
@@ -350,7 +350,7 @@ class Trainer:
         mine = self.strategy.hook_state()
         if mine is None:
             return {}
-        return {"comm_hook": gather_object(mine)}
+        return {"comm_hook": gather_object_to(mine)}
 
     # ---- small parts of the recipe ------------------------------------------------------------
     def _more_to_train(self) -> bool:
