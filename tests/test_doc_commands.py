@@ -394,6 +394,7 @@ def test_every_ddpkit_line_parses_as_the_cli_parses_it(command, monkeypatch):
 INLINE = re.compile(r"`((?:python -m )?ddpkit \w+ [^`]*[-=][^`]*)`")
 INLINE_VALUES = {"N": "2", "R": "0", "W": "2", "HOST": "10.0.0.1", "PORT": "29500", "JOB": "job-7"}
 INLINE_VALUES |= {"config.yaml": "configs/digits.yaml", "spawn_ddp.py": "tests/scripts/spawn_ddp.py"}
+INLINE_VALUES |= {"train.py": "tests/scripts/torchrun_ddp.py"}  # porting.md: the user's torchrun-style script
 # data.dataset=signs is the data set that docs/extending.md's own package registers: test_extending.py runs it.
 INLINE_ELSEWHERE = {"ddpkit train data.dataset=signs model.arch=mlp --nproc-per-node 2"}
 

@@ -125,11 +125,39 @@ def _like(value: Any, total: float) -> Any:
     return int(total) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else total
 
 
+class _ShapesChecked:
+    """The process group whose ranks were found to pass reductions of one shape (checked on the first call)."""
+
+    group: Any = None
+
+
+def _check_shapes(t: torch.Tensor) -> None:
+    """On the first reduction in a group, every rank's shape and dtype must agree: else each rank raises,
+    naming the rank that differs, instead of a gloo timeout much later."""
+    world = dist.group.WORLD
+    if _ShapesChecked.group is world:
+        return
+    mine = (tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    _ShapesChecked.group = world
+    odd = [r for r, s in enumerate(seen) if s != seen[0]]
+    if odd:
+        r = odd[0]
+        raise UserError(
+            f"all_reduce_sum: rank {r} passed shape {list(seen[r][0])} ({seen[r][1]}), rank 0 passed "
+            f"{list(seen[0][0])} ({seen[0][1]})",
+            "every rank must reduce a value of the same shape (the same list length) at the same call",
+        )
+
+
 def all_reduce_sum(value: Any) -> Any:
-    """Sum a tensor, a number, or a list/tuple of numbers over all ranks (returns a new value)."""
+    """Sum a tensor, a number, or a list/tuple of numbers over all ranks (returns a new value). The first call
+    in a process group checks that every rank passes the same shape."""
     if isinstance(value, torch.Tensor):
         out = value.detach().clone()
         if is_dist():
+            _check_shapes(out)
             moved = out.to(_comm_device())
             dist.all_reduce(moved, op=dist.ReduceOp.SUM)
             out = moved.to(value.device)
