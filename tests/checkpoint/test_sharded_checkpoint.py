@@ -81,10 +81,10 @@ def unbroken(tmp_path_factory, text) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_at_3(tmp_path_factory, text) -> Path:
-    """2 processes under fsdp, stopped at step 3 with a sharded checkpoint."""
-    out = tmp_path_factory.mktemp("fsdp") / "run"
-    train(out, text, 2, "dist.strategy=fsdp", "checkpoint.format=sharded", "train.max_steps=3")
+def tp_at_3(tmp_path_factory, text) -> Path:
+    """4 processes, dp2 x tp2 (fsdp over the data-parallel pairs), stopped at step 3 with a sharded checkpoint."""
+    out = tmp_path_factory.mktemp("dp2tp2") / "run"
+    train(out, text, 4, "dist.tp=2", "checkpoint.format=sharded", "train.max_steps=3", dp=2)
     return out
 
 
@@ -94,25 +94,33 @@ def _copy(src: Path, tmp_path: Path) -> Path:
     return dst
 
 
+# (processes, settings): ddp writing sharded folders in turn, zero1 (each rank its optimizer partition), one process
+# writing a .pt file
+AFTER_TP = {
+    "ddp": (2, ["dist.strategy=ddp", "checkpoint.format=sharded"]),
+    "zero1": (2, ["dist.strategy=zero1", "checkpoint.format=sharded"]),
+    "one_process": (1, []),
+}
+
+
 @pytest.mark.slow
-def test_fsdp_sharded_checkpoint_continues_on_one_process_to_the_unbroken_weights(
-    fsdp_at_3, unbroken, text, tmp_path
+@pytest.mark.parametrize("layout", list(AFTER_TP))
+def test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights(
+    tp_at_3, unbroken, text, tmp_path, layout
 ):
-    last = fsdp_at_3 / "checkpoints" / "last.dcp"
-    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
-    out = _copy(fsdp_at_3, tmp_path)
-    proc = train(out, text, 1, "train.max_steps=6")  # format=full: reads the folder, writes last.pt
-    assert "resumed from" in proc.stdout and "last.dcp" in proc.stdout
-    assert_close(load_checkpoint(out / "checkpoints" / "last.pt")["model"], unbroken)
-
-
-@pytest.mark.slow
-def test_fsdp_sharded_checkpoint_continues_on_two_processes_under_zero1(fsdp_at_3, unbroken, text, tmp_path):
-    out = _copy(fsdp_at_3, tmp_path)
-    train(out, text, 2, "dist.strategy=zero1", "checkpoint.format=sharded", "train.max_steps=6")
+    last = tp_at_3 / "checkpoints" / "last.dcp"
+    assert sorted(p.name for p in last.iterdir()) == [
+        ".metadata",
+        *(f"__{r}_0.distcp" for r in range(4)),
+        "state.pt",
+    ]
+    out = _copy(tp_at_3, tmp_path)
+    nproc, settings = AFTER_TP[layout]
+    proc = train(out, text, nproc, *settings, "train.max_steps=6")
+    assert f"resumed from {out / 'checkpoints' / 'last.dcp'}" in proc.stdout
     assert_close(weights(out), unbroken)
-    state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
-    assert state["step"] == 6 and state["world_size"] == 2 and "model" not in state
+    newest = CheckpointDir(out).candidates()[0]
+    assert load_checkpoint(newest, require=TRAIN_KEYS)["step"] == 6
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +143,8 @@ def test_a_pp2_full_checkpoint_continues_under_ddp_and_on_one_process_to_the_unb
 
 
 @pytest.mark.slow
-def test_eval_scores_a_sharded_checkpoint(fsdp_at_3):
-    proc = run_cli("eval", f"checkpoint.path={fsdp_at_3 / 'checkpoints' / 'last.dcp'}")
+def test_eval_scores_a_sharded_checkpoint(tp_at_3):
+    proc = run_cli("eval", f"checkpoint.path={tp_at_3 / 'checkpoints' / 'last.dcp'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"val_ppl"' in proc.stdout.splitlines()[-1]
 
