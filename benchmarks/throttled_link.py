@@ -59,7 +59,7 @@ def worker(spec: dict[str, Any]) -> None:
     import ddpkit
     from ddpkit import models
     from ddpkit.config import load_config
-    from ddpkit.distributed.collectives import all_gather_object, barrier, seed_model_init
+    from ddpkit.distributed.collectives import all_gather_object, barrier, seed_everything
     from ddpkit.parallel.compression import Compression
     from ddpkit.parallel.strategy import build_strategy, ddp_options
 
@@ -76,7 +76,7 @@ def worker(spec: dict[str, Any]) -> None:
                 keys = [f"model.arch={arch}", f"dist.grad_compression={kind}", "dist.powersgd_warmup_steps=2",
                         f"dist.bucket_cap_mb={spec['bucket_cap_mb']}"]  # fmt: skip
                 cfg = load_config(None, keys)
-                seed_model_init(0)
+                seed_everything(0)
                 model = models.build_model(cfg, 10, 3, 32)
                 comp = Compression.from_config(cfg.dist)
                 strategy = build_strategy("ddp", ctx, {**ddp_options(cfg.dist), "init_sync": False}, comp)

@@ -28,7 +28,7 @@ def main(args) -> None:
     ctx = ddpkit.init_distributed()  # what prepare() would also do; here for the [init] line
     common.print_line(f"[init] == local rank: {ctx.local_rank}, global rank: {ctx.rank} ==")
     train_set, _, spec = common.datasets(args)
-    ddpkit.seed_model_init(0)  # identical initial weights everywhere (DDP would broadcast rank 0's anyway)
+    ddpkit.seed_everything(0)  # identical initial weights everywhere (DDP would broadcast rank 0's anyway)
     model = common.resnet18(spec.in_channels)
     global_batch = args.batch_size * ctx.world_size
     lr = ddpkit.scaled_lr(args.lr, global_batch, 256)  # the linear scaling rule: 0.01 at 256, 0.02 at 512

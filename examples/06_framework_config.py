@@ -35,10 +35,13 @@ def main() -> int:
     args = parser.parse_args()
     if len(args.opts) % 2:
         parser.error(f"overrides come in KEY VALUE pairs, got {args.opts}")
+    from ddpkit.config import load_config
+    from ddpkit.train.trainer import Trainer
+
     try:
-        cfg = ddpkit.load_config(args.cfg, overrides(args.opts))
+        cfg = load_config(args.cfg, overrides(args.opts))
         ctx = ddpkit.init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
-        ddpkit.Trainer(cfg, ctx).fit()
+        Trainer(cfg, ctx).fit()
     except ddpkit.UserError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)  # as argparse words its own
         return 2

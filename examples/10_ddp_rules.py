@@ -45,7 +45,7 @@ def main() -> None:
         )
 
     # 3. the same seed for the model (identical replicas), seed + rank for augmentation (own streams)
-    ddpkit.seed_model_init(0)
+    ddpkit.seed_everything(0)
     model = common.small_cnn(spec.in_channels, spec.image_size)
     inits = ddpkit.all_gather_object(common.checksum(model))
     ddpkit.seed_rank(0)

@@ -42,7 +42,7 @@ def main() -> None:
     else:
         first = second = torch.device("cpu")
     train_set, _, spec = common.datasets(args)
-    ddpkit.seed_model_init(0)
+    ddpkit.seed_everything(0)
     model = TwoDeviceNet(spec.in_channels, spec.image_size, first, second)
     common.print_line(f"rank {ctx.rank}: part1 on {first}, part2 on {second}")
     net = DistributedDataParallel(model) if ctx.world_size > 1 else model  # no device_ids: several devices

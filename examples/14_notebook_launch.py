@@ -22,7 +22,7 @@ import ddpkit
 def train(args) -> dict:
     """One rank's training and evaluation; returns what this rank saw and where it ended."""
     train_set, val_set, spec = common.datasets(args)
-    ddpkit.seed_model_init(0)
+    ddpkit.seed_everything(0)
     model = common.small_cnn(spec.in_channels, spec.image_size)
     optimizer = common.sgd(model, ddpkit.scaled_lr(args.lr, args.batch_size * ddpkit.get_world_size(), 256))
     model, optimizer, train_loader, val_loader = ddpkit.prepare(

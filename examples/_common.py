@@ -48,9 +48,10 @@ def parser(doc: str, *, batch_size: int = 256, epochs: int = 5, lr: float = 0.01
 
 def datasets(args: argparse.Namespace):
     """(train set with the tutorials' augmentation, val set, DataSpec) for --data."""
+    from ddpkit.config import load_config
     from ddpkit.data import build_datasets
 
-    cfg = ddpkit.load_config(None, [f"data.dataset={args.data}", f"data.root={args.data_root}"])
+    cfg = load_config(None, [f"data.dataset={args.data}", f"data.root={args.data_root}"])
     train, val, spec = build_datasets(cfg)  # CIFAR-10: RandomCrop(32, 4), flip, the tutorials' mean and std
     if args.train_size:
         train = Subset(train, range(min(args.train_size, len(train))))
@@ -131,7 +132,7 @@ def evaluate(model: nn.Module, loader, device) -> tuple[float, int]:
 def train_and_evaluate(ctx, args: argparse.Namespace) -> None:
     """The MNIST tutorials' job on a distributed split: the loss averaged over ranks, exact val accuracy."""
     train_set, val_set, spec = datasets(args)
-    ddpkit.seed_model_init(0)  # the same initial weights on every rank
+    ddpkit.seed_everything(0)  # the same initial weights on every rank
     model = small_cnn(spec.in_channels, spec.image_size)
     optimizer = sgd(model, ddpkit.scaled_lr(args.lr, args.batch_size * ctx.world_size, 256))
     # shuffled -> this rank's share of each epoch (set_epoch automatic); unshuffled -> each sample once

@@ -1,14 +1,24 @@
-"""Shared test helpers: run the real CLI in a subprocess, and run a function on N real gloo processes."""
+"""The one module of shared test helpers: run the real CLI in a subprocess, run a function on N real gloo
+processes, write data sets in their real formats, run the examples' docstring command lines."""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import os
+import pickle
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +143,235 @@ def run_group(fn, world_size: int, *args, timeout: float = 120):
 def tmp_run(tmp_path):
     """A fresh out_dir path (not created)."""
     return tmp_path / "run"
+
+
+# ------------------------------------------------------------------------ helpers shared by several test modules
+# (a test module imports helpers from here, never from another test module)
+
+EXAMPLES = REPO / "examples"
+EXAMPLE_TIMEOUT = 300
+
+
+# On-disk data sets in their real formats.
+
+
+def _cifar_rows(n: int, offset: int) -> np.ndarray:
+    """n images, image i constant per channel: R = 10*(i+offset) % 256, G = R + 1, B = R + 2."""
+    rows = np.empty((n, 3072), dtype=np.uint8)
+    for i in range(n):
+        r = (10 * (i + offset)) % 250
+        rows[i, :1024], rows[i, 1024:2048], rows[i, 2048:] = r, r + 1, r + 2
+    return rows
+
+
+def write_cifar10(root, per_batch: int = 4, test: int = 6) -> None:
+    d = root / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    for b in range(1, 6):
+        off = (b - 1) * per_batch
+        entry = {"data": _cifar_rows(per_batch, off), "labels": [(off + i) % 10 for i in range(per_batch)]}
+        (d / f"data_batch_{b}").write_bytes(pickle.dumps(entry))
+    (d / "test_batch").write_bytes(pickle.dumps({"data": _cifar_rows(test, 0), "labels": list(range(test))}))
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    (d / "batches.meta").write_bytes(pickle.dumps({"label_names": names, "num_cases_per_batch": per_batch}))
+
+
+def write_cifar100(root, train: int = 12, test: int = 5) -> None:
+    d = root / "cifar-100-python"
+    d.mkdir(parents=True)
+    for name, n in (("train", train), ("test", test)):
+        labels = [(7 * i) % 100 for i in range(n)]
+        entry = {"data": _cifar_rows(n, 0), "fine_labels": labels, "coarse_labels": [y // 5 for y in labels]}
+        (d / name).write_bytes(pickle.dumps(entry))
+    meta = {
+        "fine_label_names": [f"c{i}" for i in range(100)],
+        "coarse_label_names": [f"s{i}" for i in range(20)],
+    }
+    (d / "meta").write_bytes(pickle.dumps(meta))
+
+
+# The Trainer in-process (run_group).
+
+
+def dist_context(rank: int, world_size: int):
+    """The DistContext of one process of a run_group (gloo on the CPU)."""
+    import torch
+
+    from ddpkit.cluster.env import DistEnv
+    from ddpkit.distributed.runtime import DistContext
+
+    launcher = "manual" if world_size > 1 else "none"
+    env = DistEnv(
+        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size, launcher=launcher
+    )
+    return DistContext(env, "gloo", torch.device("cpu"))
+
+
+def plain(state: dict) -> dict:
+    """A state dict as numpy arrays: what a run_group process can hand back (tensors go through shared memory)."""
+    return {k: v.detach().cpu().numpy() for k, v in state.items()}
+
+
+# `ddpkit slurm` / `ddpkit k8s` in this process.
+
+JOB_TRAIN = ["train.epochs=3", "model.arch=mlp", "optim.ref_batch_size=null", "data.root=my data"]
+
+
+def cli_in_process(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """`ddpkit ARGV` in this process -> exit code, stdout, stderr."""
+    from ddpkit.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, exited.value.code, out, err)
+
+
+# A `ddpkit train` run as a separate program.
+
+
+def start(out_dir, *args, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "train", f"out_dir={out_dir}", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(env),
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"run hung:\n{err[-3000:]}") from None
+    return proc.returncode, out, err
+
+
+def wait_for(predicate, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+# The command lines of the examples' docstrings.
+
+
+STARTS = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|torchrun|srun) ")
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    """One command line of an example's docstring (continuation lines joined), its comment apart."""
+
+    script: str
+    text: str
+    comment: str
+
+    @property
+    def mark(self) -> str | None:
+        """What the line needs that this machine lacks (`# ... needs GPUs, CIFAR-10`), or None."""
+        m = re.search(r"\bneeds (.+)$", self.comment)
+        return m.group(1) if m else None
+
+    def split(self, replace: dict[str, str] | None = None) -> tuple[dict[str, str], str, list[str]]:
+        """(VAR=value assignments, program, its arguments), after replacing each `old` (which must occur)."""
+        text = self.text
+        for old, new in (replace or {}).items():
+            assert old in text, (old, text)
+            text = text.replace(old, new)
+        words = shlex.split(text)
+        env = {}
+        while re.fullmatch(r"[A-Z_]+=\S+", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            env[key] = value
+        return env, words[0], words[1:]
+
+    def example_args(self) -> list[str]:
+        """The arguments the example itself gets (after its path)."""
+        _, prog, words = self.split()
+        if prog == "torchrun":
+            return torchrun_args(words).training_script_args
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        return words[at + 1 :]
+
+    def argv(self, *extra: str, replace: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """(argv, env) of the line as this machine runs it (torchrun: --standalone, a free port) + `extra`."""
+        env, prog, words = self.split(replace)
+        assert prog in ("python", "torchrun"), self.text
+        launcher = ["-m", "torch.distributed.run", "--standalone"] if prog == "torchrun" else []
+        return [sys.executable, *launcher, *words, *extra], env
+
+
+def doc_commands(script: str) -> list[DocCommand]:
+    """The command lines of examples/SCRIPT's docstring, read without importing it."""
+    doc = ast.get_docstring(ast.parse((EXAMPLES / script).read_text()), clean=False)
+    assert doc, f"{script} has no docstring"
+    commands, pending = [], ""
+    for line in doc.splitlines():
+        if not pending and not (line.startswith("    ") and STARTS.match(line.strip())):
+            assert "examples/" not in line, f"{script}: a command this test does not recognise: {line!r}"
+            continue
+        code, _, comment = line.partition(" # ")
+        code = code.strip()
+        if code.endswith("\\"):
+            assert not comment, f"{script}: a comment inside a continued line: {line!r}"
+            pending += code[:-1].strip() + " "
+            continue
+        commands.append(DocCommand(script, pending + code, comment.strip()))
+        pending = ""
+    assert commands, f"{script}'s docstring shows no command line"
+    return commands
+
+
+def torchrun_args(words: list[str]) -> argparse.Namespace:
+    """torchrun's own parser on WORDS (it exits on a flag torchrun does not know)."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_args(words)
+
+
+RUN_BY: dict[tuple[str, str], str] = {}  # (script, command) -> the test that runs it
+
+
+def runs_doc(script: str, *selectors: str, together: bool = False):
+    """Mark a test as the one that runs these command lines of SCRIPT's docstring (each selector: the whole
+    command, or a unique part of the line); the test gets them as `doc`, one per case or all at once."""
+    commands = doc_commands(script)
+    chosen = []
+    for sel in selectors:
+        hits = [c for c in commands if c.text == sel] or [
+            c for c in commands if sel in f"{c.text}  # {c.comment}"
+        ]
+        assert len(hits) == 1, f"{script}: {sel!r} picks {len(hits)} command lines"
+        chosen.append(hits[0])
+
+    def decorate(fn):
+        for c in chosen:
+            RUN_BY[(script, c.text)] = fn.__name__
+        params = [tuple(chosen)] if together else chosen
+        return pytest.mark.parametrize("doc", params, ids=lambda p: script)(fn)
+
+    return decorate
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def run_doc(doc: DocCommand, *extra: str, replace: dict[str, str] | None = None) -> str:
+    """Run one docstring command line (+ `extra`) in the repository; its stdout (it must exit 0)."""
+    argv, env = doc.argv(*extra, replace=replace)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT, env=cli_env(env), cwd=REPO
+    )
+    return check_ok(proc)

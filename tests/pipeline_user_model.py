@@ -1,5 +1,5 @@
 """A user's own small transformer and a training script driven through ddpkit.prepare(pp=...), importable by the
-spawned processes of tests/test_pipeline.py."""
+spawned processes of tests/parallel/test_pipeline.py."""
 
 from __future__ import annotations
 

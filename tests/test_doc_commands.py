@@ -73,36 +73,36 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
-TP_TEST = "tests/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
+TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
     ),
     # the tiny transformer on a small text, train.max_steps=3, sgd at a constant lr (the reference's settings)
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 checkpoint.format=sharded --nproc-per-node 4": (
-        "tests/test_sharded_checkpoint.py::"
+        "tests/checkpoint/test_sharded_checkpoint.py::"
         "test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights"
     ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
-    "ddpkit info --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
-    "ddpkit comm --nproc-per-node 2": "tests/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
-    "ddpkit bench --nproc 1,2": "tests/test_bench.py::test_bench_one_and_two_processes",
+    "ddpkit info --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit comm --nproc-per-node 2": "tests/diagnostics/test_comm.py::test_every_collective_checks_out_on_gloo_and_is_benchmarked",
+    "ddpkit bench --nproc 1,2": "tests/commands/test_bench.py::test_bench_one_and_two_processes",
     # the same flags (--steps, --json, --out) on 1,2 processes: 4 CPU processes on 2 cores prove nothing more
     "ddpkit bench --nproc 1,2,4 --steps 20 --json bench.json --out bench.png": (
-        "tests/test_bench.py::test_bench_one_and_two_processes"
+        "tests/commands/test_bench.py::test_bench_one_and_two_processes"
     ),
     # train.py is the user's torchrun-style script: the tests use the tutorial's, tests/scripts/torchrun_ddp.py
     "ddpkit run --nproc-per-node 2 train.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 train.py --epochs 10": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "ddpkit run --nproc-per-node 2 --launcher spawn torchrun_ddp.py --epochs 3": (
-        "tests/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
+        "tests/commands/test_run.py::test_torchrun_style_script_unchanged_gives_torchruns_weights"
     ),
     "srun -n 2 ddpkit run torchrun_ddp.py --epochs 3": (
         "tests/system/test_run_scripts.py::test_srun_two_tasks_run_a_torchrun_style_script_unchanged"
@@ -132,8 +132,18 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
+    "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
+        "tests/train/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
+    ),
+    "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
+        "tests/train/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
+    ),
+    "ddpkit report runs/text_gpt --out text_gpt.png": (
+        "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
+    ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
-    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",
@@ -143,15 +153,15 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
-        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
+        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": (
-        "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
+        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
-    "--nproc-per-node 2": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
+    "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
+    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.
@@ -384,6 +394,7 @@ def test_every_ddpkit_line_parses_as_the_cli_parses_it(command, monkeypatch):
 INLINE = re.compile(r"`((?:python -m )?ddpkit \w+ [^`]*[-=][^`]*)`")
 INLINE_VALUES = {"N": "2", "R": "0", "W": "2", "HOST": "10.0.0.1", "PORT": "29500", "JOB": "job-7"}
 INLINE_VALUES |= {"config.yaml": "configs/digits.yaml", "spawn_ddp.py": "tests/scripts/spawn_ddp.py"}
+INLINE_VALUES |= {"train.py": "tests/scripts/torchrun_ddp.py"}  # porting.md: the user's torchrun-style script
 # data.dataset=signs is the data set that docs/extending.md's own package registers: test_extending.py runs it.
 INLINE_ELSEWHERE = {"ddpkit train data.dataset=signs model.arch=mlp --nproc-per-node 2"}
 
@@ -417,6 +428,12 @@ def test_every_make_line_is_a_target_of_the_makefile(command):
         ["make", "--no-print-directory", "-n", *command.split()[1:]], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+    # the dry run prints the target's own recipe: each of its words that names no make variable
+    makefile = (REPO / "Makefile").read_text()
+    for target in command.split()[1:]:
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        words = {w for line in recipe for w in line.split() if "$" not in w}
+        assert recipe and words <= set(proc.stdout.split()), (target, words - set(proc.stdout.split()))
 
 
 @pytest.mark.slow

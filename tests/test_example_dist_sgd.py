@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_group
-from test_examples import run_doc, runs_doc
+from conftest import REPO, run_doc, run_group, runs_doc
 
 sys.path.insert(0, str(REPO / "examples"))
 example = importlib.import_module("12_dist_sgd_by_hand")

@@ -9,21 +9,29 @@ import importlib
 import random
 import re
 import runpy
-import shlex
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 import ddpkit
-from conftest import REPO, cli_env
+from conftest import (
+    REPO,
+    RUN_BY,
+    DocCommand,
+    check_ok,
+    cli_env,
+    doc_commands,
+    run_doc,
+    runs_doc,
+    torchrun_args,
+    write_cifar10,
+)
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.distributed.env import slurm_port
 from ddpkit.distributed.launch import free_port
-from test_data import write_cifar10
 
 EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
@@ -34,120 +42,6 @@ LOG_LINE = re.compile(
 )
 DIGITS_VAL = 359
 assert LOG_LINE.match("   == step: [ 50/196] [1/5] | loss: 1.959 | acc: 28.633%")
-
-# ---------------------------------------------------------------------- the command lines of the docstrings
-
-STARTS = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|torchrun|srun) ")
-
-
-@dataclass(frozen=True)
-class DocCommand:
-    """One command line of an example's docstring (continuation lines joined), its comment apart."""
-
-    script: str
-    text: str
-    comment: str
-
-    @property
-    def mark(self) -> str | None:
-        """What the line needs that this machine lacks (`# ... needs GPUs, CIFAR-10`), or None."""
-        m = re.search(r"\bneeds (.+)$", self.comment)
-        return m.group(1) if m else None
-
-    def split(self, replace: dict[str, str] | None = None) -> tuple[dict[str, str], str, list[str]]:
-        """(VAR=value assignments, program, its arguments), after replacing each `old` (which must occur)."""
-        text = self.text
-        for old, new in (replace or {}).items():
-            assert old in text, (old, text)
-            text = text.replace(old, new)
-        words = shlex.split(text)
-        env = {}
-        while re.fullmatch(r"[A-Z_]+=\S+", words[0]):
-            key, value = words.pop(0).split("=", 1)
-            env[key] = value
-        return env, words[0], words[1:]
-
-    def example_args(self) -> list[str]:
-        """The arguments the example itself gets (after its path)."""
-        _, prog, words = self.split()
-        if prog == "torchrun":
-            return torchrun_args(words).training_script_args
-        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-        return words[at + 1 :]
-
-    def argv(self, *extra: str, replace: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-        """(argv, env) of the line as this machine runs it (torchrun: --standalone, a free port) + `extra`."""
-        env, prog, words = self.split(replace)
-        assert prog in ("python", "torchrun"), self.text
-        launcher = ["-m", "torch.distributed.run", "--standalone"] if prog == "torchrun" else []
-        return [sys.executable, *launcher, *words, *extra], env
-
-
-def doc_commands(script: str) -> list[DocCommand]:
-    """The command lines of examples/SCRIPT's docstring, read without importing it."""
-    doc = ast.get_docstring(ast.parse((EXAMPLES / script).read_text()), clean=False)
-    assert doc, f"{script} has no docstring"
-    commands, pending = [], ""
-    for line in doc.splitlines():
-        if not pending and not (line.startswith("    ") and STARTS.match(line.strip())):
-            assert "examples/" not in line, f"{script}: a command this test does not recognise: {line!r}"
-            continue
-        code, _, comment = line.partition(" # ")
-        code = code.strip()
-        if code.endswith("\\"):
-            assert not comment, f"{script}: a comment inside a continued line: {line!r}"
-            pending += code[:-1].strip() + " "
-            continue
-        commands.append(DocCommand(script, pending + code, comment.strip()))
-        pending = ""
-    assert commands, f"{script}'s docstring shows no command line"
-    return commands
-
-
-def torchrun_args(words: list[str]) -> argparse.Namespace:
-    """torchrun's own parser on WORDS (it exits on a flag torchrun does not know)."""
-    from torch.distributed.run import get_args_parser
-
-    return get_args_parser().parse_args(words)
-
-
-RUN_BY: dict[tuple[str, str], str] = {}  # (script, command) -> the test that runs it
-
-
-def runs_doc(script: str, *selectors: str, together: bool = False):
-    """Mark a test as the one that runs these command lines of SCRIPT's docstring (each selector: the whole
-    command, or a unique part of the line); the test gets them as `doc`, one per case or all at once."""
-    commands = doc_commands(script)
-    chosen = []
-    for sel in selectors:
-        hits = [c for c in commands if c.text == sel] or [
-            c for c in commands if sel in f"{c.text}  # {c.comment}"
-        ]
-        assert len(hits) == 1, f"{script}: {sel!r} picks {len(hits)} command lines"
-        chosen.append(hits[0])
-
-    def decorate(fn):
-        for c in chosen:
-            RUN_BY[(script, c.text)] = fn.__name__
-        params = [tuple(chosen)] if together else chosen
-        return pytest.mark.parametrize("doc", params, ids=lambda p: script)(fn)
-
-    return decorate
-
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
-def _check(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc.stdout
-
-
-def run_doc(doc: DocCommand, *extra: str, replace: dict[str, str] | None = None) -> str:
-    """Run one docstring command line (+ `extra`) in the repository; its stdout (it must exit 0)."""
-    argv, env = doc.argv(*extra, replace=replace)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(env), cwd=REPO)
-    return _check(proc)
 
 
 def run_together(commands: list[tuple[list[str], dict[str, str]]]) -> list[str]:
@@ -162,7 +56,7 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]]) -> list[str]:
     try:
         for p in procs:
             stdout, stderr = p.communicate(timeout=TIMEOUT)
-            outs.append(_check(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)))
+            outs.append(check_ok(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -269,7 +163,9 @@ def test_every_line_that_runs_here_is_run_by_a_test():
 
 
 def test_docstring_parsing_sees_marks_continuations_and_unknown_commands(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "EXAMPLES", tmp_path)
+    import conftest
+
+    monkeypatch.setattr(conftest, "EXAMPLES", tmp_path)  # where doc_commands reads the examples
     (tmp_path / "x.py").write_text(
         '"""Doc.\n\n    A=1 torchrun --nnodes 2 examples/x.py \\\\\n'
         "        --data cifar10    # 2 nodes; needs CIFAR-10\n"
@@ -547,4 +443,4 @@ def test_14_runs_as_notebook_cells(tmp_path):
     )
     argv = [sys.executable, "-c", code, *tiny(tmp_path)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=cli_env(), cwd=REPO)
-    _assert_two_rank_results(_check(proc))
+    _assert_two_rank_results(check_ok(proc))

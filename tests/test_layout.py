@@ -1,4 +1,5 @@
-"""The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists."""
+"""The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists, the
+folders, the size limits, the tests mirroring the package. Budget: 5 s (reads files, starts no process)."""
 
 from __future__ import annotations
 
@@ -41,15 +42,24 @@ def test_no_module_lists_strategy_names_instead_of_asking_the_registry():
 
 
 def test_a_moved_module_is_importable_by_its_old_name_as_the_same_module():
-    import importlib
+    import subprocess
+    import sys
 
     from ddpkit._moved import MOVED
 
-    for old, new in MOVED.items():
+    for old in MOVED:
         assert not (SRC.parent / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
-        module = importlib.import_module(old)
-        assert module is importlib.import_module(new), old
-        assert module.__spec__.name == new, f"{old}: the module keeps its own spec"
+    # in a process of its own: importing every module here would take over this one's signals (warm_server)
+    check = (
+        "import importlib, ddpkit\n"
+        "from ddpkit._moved import MOVED\n"
+        "for old, new in MOVED.items():\n"
+        "    module = importlib.import_module(old)\n"
+        "    assert module is importlib.import_module(new), old\n"
+        "    assert module.__spec__.name == new, old\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_no_folder_holds_more_than_twelve_modules():
@@ -59,7 +69,7 @@ def test_no_folder_holds_more_than_twelve_modules():
         for f in folders
         if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 12
     }
-    assert crowded == {}
+    assert crowded == {}, "move modules into a subsystem folder, or make a new one (docs/architecture.md)"
 
 
 def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists():
@@ -68,3 +78,48 @@ def test_every_folder_is_on_the_architecture_map_and_every_folder_on_it_exists()
     mapped = re.findall(r"^\| `([\w/]+/)` \|", section, flags=re.M)
     folders = {"ddpkit/"} | {p.parent.relative_to(SRC).as_posix() + "/" for p in SRC.rglob("*/__init__.py")}
     assert sorted(mapped) == sorted(folders)
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 60
+# Over the limits, and being changed elsewhere right now: split once those changes are in.
+PENDING_SPLIT = {
+    "launcher/launch.py",  # launch_elastic, spec_from_args
+    "commands/report.py",
+    "models.py",
+    "train/trainer.py",
+    "parallel/pipeline_plan.py",  # check_pipeline
+    "porting/__init__.py",  # prepare
+}
+
+
+def test_no_module_over_450_lines_and_no_function_over_60():
+    import ast
+
+    over = []
+    for path in _sources():
+        name, text = path.relative_to(SRC).as_posix(), path.read_text()
+        if name in PENDING_SPLIT:
+            continue
+        if (n := len(text.splitlines())) > MAX_FILE_LINES:
+            over.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    over.append(f"{name}: {node.name}() {n} lines")
+    assert over == [], "split these (one concern per module, docs/architecture.md)"
+
+
+def test_tests_mirror_the_package_and_import_helpers_from_conftest_only():
+    tests = REPO / "tests"
+    package = {p.parent.relative_to(SRC).as_posix() for p in SRC.rglob("*/__init__.py")}
+    folders = {
+        p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("system", "scripts", "__pycache__")
+    }
+    assert folders <= package, folders - package
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    importing = {
+        p.relative_to(tests).as_posix()
+        for p in tests.rglob("*.py")
+        if re.search(r"^\s*(from|import) (" + "|".join(names) + r")\b", p.read_text(), flags=re.M)
+    }
+    assert importing == set(), "a test module imports another: move the helper into tests/conftest.py"

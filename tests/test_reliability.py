@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import assert_user_error, cli_env, finish, run_cli, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.distributed.signals import worker_pids as workers
 from ddpkit.metrics import read_metrics
@@ -22,38 +22,6 @@ from ddpkit.metrics import read_metrics
 # Deterministic runs: no augmentation, no norm/dropout layers, so a resumed run must equal an unbroken one.
 EXACT = ["model.arch=mlp", "data.augment=false", "train.epochs=3"]
 TRIALS = int(os.environ.get("DDPKIT_FAULT_TRIALS", "5"))
-
-
-def start(out_dir, *args, env=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "train", f"out_dir={out_dir}", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(env),
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"run hung:\n{err[-3000:]}") from None
-    return proc.returncode, out, err
-
-
-def wait_for(predicate, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"run ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def final(out_dir) -> tuple[list[dict], dict]:
@@ -314,5 +282,6 @@ def test_every_test_the_reliability_table_names_exists():
     named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", table)
     assert len(named) >= 30
     for file, name in named:
-        tree = ast.parse((REPO / "tests" / file).read_text())
+        (path,) = (REPO / "tests").rglob(file)  # test files sit in folders that mirror the package
+        tree = ast.parse(path.read_text())
         assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{file}::{name}"

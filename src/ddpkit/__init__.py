@@ -1,32 +1,62 @@
 """ddpkit: one PyTorch training script, from one process to many GPUs on many machines.
 
-The public API. Every name but UserError loads on first use, so `import ddpkit` imports no torch: the command
-line starts its workers before it pays for torch.
+The public API: what a user's own script calls (docs/porting.md). Every name but UserError loads on first use, so
+`import ddpkit` imports no torch: the command line starts its workers before it pays for torch. The framework
+behind `ddpkit train` (Trainer, Config, DistEnv, the samplers) is imported from its own modules.
 """
 
-from ddpkit import _moved
-from ddpkit.distributed import COLLECTIVES as _COLLECTIVES  # names only: it loads no torch
-from ddpkit.errors import UserError
+# ruff: noqa: F401  (the TYPE_CHECKING imports are for editors: nothing here uses them)
+from __future__ import annotations
 
-_moved.install()  # modules that moved into the subsystem folders stay importable under their old names
+from typing import TYPE_CHECKING
+
+from ddpkit import _moved
+from ddpkit.distributed import COLLECTIVES as _COLLECTIVE_NAMES  # names only: it loads no torch
+from ddpkit.errors import UserError
 
 __version__ = "0.1.0"
 
+_moved.install()  # modules that moved into the subsystem folders stay importable under their old names
+
+# What editors and type checkers resolve each lazy name to: the table below (a test keeps the two equal).
+if TYPE_CHECKING:
+    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+    from ddpkit.cluster.env import detect_env
+    from ddpkit.data import distributed_loader, eval_loader
+    from ddpkit.distributed.collectives import (
+        all_gather_object,
+        all_reduce_mean,
+        all_reduce_sum,
+        barrier,
+        broadcast_object,
+        gather,
+        gather_object_to,
+        get_rank,
+        get_world_size,
+        is_main_process,
+        rank_zero_first,
+        seed_everything,
+        seed_rank,
+    )
+    from ddpkit.distributed.runtime import DistContext, init_distributed, shutdown
+    from ddpkit.launcher.spawn import launch
+    from ddpkit.models import read_weights
+    from ddpkit.porting import prepare, unwrap
+    from ddpkit.porting.state import load_state, save_state
+    from ddpkit.train.optim import scaled_lr
+
+_COLLECTIVES = "ddpkit.distributed.collectives"
+_RENAMED = {
+    "gather_object": _COLLECTIVES,
+    "seed_model_init": _COLLECTIVES,
+}  # warn when called (collectives.py)
 _LAZY = {
     "DistContext": "ddpkit.distributed.runtime",
     "init_distributed": "ddpkit.distributed.runtime",
     "shutdown": "ddpkit.distributed.runtime",
-    "DistEnv": "ddpkit.cluster.env",
     "detect_env": "ddpkit.cluster.env",
-    **dict.fromkeys(_COLLECTIVES, "ddpkit.distributed.collectives"),
-    "Config": "ddpkit.config",
-    "load_config": "ddpkit.config",
-    "Trainer": "ddpkit.train.trainer",
-    "DistributedLoader": "ddpkit.data",
+    **dict.fromkeys((n for n in _COLLECTIVE_NAMES if n not in _RENAMED), _COLLECTIVES),
     "distributed_loader": "ddpkit.data",
-    "GlobalOrderSampler": "ddpkit.data",
-    "ExactEvalSampler": "ddpkit.data",
-    "evaluate": "ddpkit.train.trainer",
     "eval_loader": "ddpkit.data",
     "prepare": "ddpkit.porting",
     "unwrap": "ddpkit.porting",
@@ -39,12 +69,35 @@ _LAZY = {
     "scaled_lr": "ddpkit.train.optim",
 }
 
+# Names that are here for one release more. Framework internals: importable from their modules (a
+# DeprecationWarning names the module).
+_DEPRECATED = {
+    "Trainer": "ddpkit.train.trainer",
+    "evaluate": "ddpkit.train.trainer",
+    "Config": "ddpkit.config",
+    "load_config": "ddpkit.config",
+    "DistEnv": "ddpkit.cluster.env",
+    "DistributedLoader": "ddpkit.data",
+    "GlobalOrderSampler": "ddpkit.data",
+    "ExactEvalSampler": "ddpkit.data",
+}
+
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY or name in _RENAMED:
+        return getattr(importlib.import_module({**_LAZY, **_RENAMED}[name]), name)
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(
+            f"ddpkit.{name} is deprecated and goes in the next release: "
+            f"use `from {_DEPRECATED[name]} import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_DEPRECATED[name]), name)
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 

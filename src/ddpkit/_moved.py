@@ -1,4 +1,5 @@
-"""Modules that moved into the subsystem folders, importable under their old names for one release.
+"""Modules that moved into the subsystem folders, importable under their old names for one release; and
+`names()`, the lazy `__getattr__` of a module whose names load from elsewhere.
 
 An old name is an alias of the module itself, not a copy: `import ddpkit.trainer` gives the very module object
 `ddpkit.train.trainer` (so a test's or a user's monkeypatch of the old name patches the code that runs). The
@@ -48,6 +49,9 @@ MOVED: dict[str, str] = {
     "ddpkit.cluster.slurm": "ddpkit.commands.slurm",
     "ddpkit.cluster.k8s": "ddpkit.commands.k8s",
     "ddpkit.cluster.common": "ddpkit.commands.jobs",
+    "ddpkit.config_schema": "ddpkit.config.schema",
+    "ddpkit.config_yaml": "ddpkit.config.safe_yaml",
+    "ddpkit.bounded": "ddpkit.config.bounded",
 }
 
 
@@ -67,6 +71,17 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         # the import system stamped the old name's spec on the module: give it back its own
         module.__spec__ = module.__spec__.loader_state
+
+
+def names(owner: str, where: dict[str, str]):
+    """A module's `__getattr__` (PEP 562) for names that live in other modules: {name: module it loads from}."""
+
+    def __getattr__(name: str):
+        if name in where:
+            return getattr(importlib.import_module(where[name]), name)
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def install() -> None:

@@ -26,6 +26,7 @@ OVERSUBSCRIBE = "DDPKIT_OVERSUBSCRIBE"
 PROBE_S = "DDPKIT_PROBE_S"
 DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
+LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 JOB_DIR = "DDPKIT_JOB_DIR"
 
 CHANNELS: tuple[Channel, ...] = (
@@ -51,6 +52,8 @@ CHANNELS: tuple[Channel, ...] = (
             "the launcher's job folder: each worker leaves its pid, its SIGUSR2 stack dumps and its error line"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
+    Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",
+            "'--local_rank' or '--local-rank': the script gets FLAG=LOCAL_RANK after its name; taken out"),
 )  # fmt: skip
 
 

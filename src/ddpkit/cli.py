@@ -82,7 +82,8 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
         if given:
             raise UserError(
                 f"launch flags do not apply to `ddpkit {name}` ({given[0]})",
-                f"`ddpkit {name} --help` lists its flags; launch flags belong to train, eval, run, info and comm",
+                f"`ddpkit {name} --help` lists its flags; launch flags belong to "
+                + ", ".join(c.name for c in COMMANDS.values() if c.takes_launch_flags),
             )
     return command, command_parser(command).parse_intermixed_args(list(argv[1:]))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.bounded import TooDeep, check_tree
+from ddpkit.config.bounded import TooDeep, check_tree
 
 
 def _count(v: Any) -> bool:

@@ -7,18 +7,14 @@ importable from here for one release.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ddpkit import _moved
 
-_MOVED = {
-    "k8s_command": "ddpkit.commands.k8s",
-    "pytorchjob_manifest": "ddpkit.commands.k8s",
-    "sbatch_script": "ddpkit.commands.slurm",
-    "slurm_command": "ddpkit.commands.slurm",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'ddpkit.cluster' has no attribute {name!r}")
+__getattr__ = _moved.names(
+    __name__,
+    {
+        "k8s_command": "ddpkit.commands.k8s",
+        "pytorchjob_manifest": "ddpkit.commands.k8s",
+        "sbatch_script": "ddpkit.commands.slurm",
+        "slurm_command": "ddpkit.commands.slurm",
+    },
+)

@@ -28,6 +28,11 @@ class Command:
     mode: Literal["group", "local", "script"] = "group"
 
     @property
+    def takes_launch_flags(self) -> bool:
+        """A group command runs on the workers the launch flags start; `script` (run) starts the user's."""
+        return self.mode in ("group", "script")
+
+    @property
     def module(self) -> ModuleType:
         return importlib.import_module(self.entry.split(":")[0])
 

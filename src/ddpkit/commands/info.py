@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddpkit.cluster import netif
-from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.collectives import gather_object_to
 from ddpkit.distributed.runtime import DistContext, hostname
 
 
@@ -22,7 +22,7 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1) -> str:
 
 
 def info_command(cfg, args, ctx: DistContext) -> int:
-    lines = gather_object(rank_line(ctx, cfg.dist.tp, cfg.dist.pp))
+    lines = gather_object_to(rank_line(ctx, cfg.dist.tp, cfg.dist.pp))
     if lines is not None:
         print("\n".join(lines), flush=True)
     return 0

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpkit.commands.jobs import DEFAULT_NAME, add_shape_flags, check_name, check_shape
 from ddpkit.config import Config, to_dict
-from ddpkit.config_schema import shown
+from ddpkit.config.schema import shown
 from ddpkit.errors import Preempted, UserError
 
 K8S_PORT = 23456  # the Training Operator's default MASTER_PORT (container port `pytorchjob-port`)
@@ -89,20 +89,17 @@ def pod_script(train: list[str], nodes: int) -> str:
     )
 
 
-def pytorchjob_manifest(
+def _pod(
     cfg: Config,
-    *,
     nodes: int,
     gpus: int,
     image: str,
-    name: str,
     pvc: str,
-    data_pvc: str | None = None,
-    cpu: str | None = None,
-    memory: str | None = None,
-    backoff_limit: int = 3,
-) -> dict[str, Any]:
-    """A Kubeflow PyTorchJob: one Master pod and N-1 Worker pods, each running G ranks of `ddpkit train`."""
+    data_pvc: str | None,
+    cpu: str | None,
+    memory: str | None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every pod's training container and its volumes: the runs' claim, the data, a memory-backed /dev/shm."""
     nproc = max(gpus, 1)
     overrides = [o for o in _overrides(cfg) if not o.startswith("data.root=")] + [f"data.root={K8S_DATA}"]
     train = ["python", "-m", "ddpkit", "train", *overrides, "--nproc-per-node", str(nproc)]
@@ -141,6 +138,24 @@ def pytorchjob_manifest(
             "emptyDir": {"medium": "Memory"},
         },  # data-loader workers share batches through /dev/shm
     ]
+    return container, volumes
+
+
+def pytorchjob_manifest(
+    cfg: Config,
+    *,
+    nodes: int,
+    gpus: int,
+    image: str,
+    name: str,
+    pvc: str,
+    data_pvc: str | None = None,
+    cpu: str | None = None,
+    memory: str | None = None,
+    backoff_limit: int = 3,
+) -> dict[str, Any]:
+    """A Kubeflow PyTorchJob: one Master pod and N-1 Worker pods, each running G ranks of `ddpkit train`."""
+    container, volumes = _pod(cfg, nodes, gpus, image, pvc, data_pvc, cpu, memory)
 
     def replica(count: int) -> dict[str, Any]:  # each replica its own copy, so YAML shows no anchors
         return copy.deepcopy(

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ddpkit.distributed import local_rank
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 
 USAGE = (
@@ -38,13 +39,16 @@ def _parser() -> argparse.ArgumentParser:
         "LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT.",
     )
     add_launch_flags(p)
+    local_rank.add_flag(p)
     return p
 
 
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
+    from ddpkit.distributed.torchrun_compat import NO_VALUE
     from ddpkit.launcher.launch import LAUNCH_FLAGS
 
+    flags = LAUNCH_FLAGS | local_rank.FLAGS
     argv = list(argv)
     i = 0
     while i < len(argv):
@@ -55,7 +59,9 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             if i + 1 >= len(argv):
                 raise UserError("ddpkit run -m needs a module name", USAGE)
             return argv[:i], argv[i:]
-        elif a.split("=", 1)[0] in LAUNCH_FLAGS:
+        elif a in NO_VALUE:
+            i += 1
+        elif a.split("=", 1)[0] in flags:
             i += 1 if "=" in a else 2
         elif a.startswith("-"):
             raise UserError(f"ddpkit run: unknown flag '{a}' before the script", f"usage: {USAGE}")
@@ -98,7 +104,7 @@ def _exec(target: list[str]) -> None:
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
     from ddpkit.launcher.launch import launch_elastic, launch_spawn, spec_from_args
-    from ddpkit.launcher.usermain import run_released
+    from ddpkit.launcher.usermain import run_spawned
 
     flags, target = split(argv)
     args = _parser().parse_args(flags)
@@ -109,6 +115,7 @@ def run_command(argv: Sequence[str]) -> int:
             "start each rank with MASTER_ADDR=HOST MASTER_PORT=PORT RANK=R WORLD_SIZE=W ddpkit run SCRIPT",
         )
     _check_target(target)
+    local_rank.arrange(args.pass_local_rank, target)
     if not spec.starts_workers:
         _exec(target)
     import torch
@@ -119,9 +126,9 @@ def run_command(argv: Sequence[str]) -> int:
         check_cpu_processes(spec.nproc_per_node or 1)
     try:
         if spec.launcher == "spawn":
-            launch_spawn(spec, target, run_released)
+            launch_spawn(spec, target, run_spawned, script=True)
         else:
-            launch_elastic(spec, ["-u", *target])
+            launch_elastic(spec, ["-u", *target], script=True)
     except Preempted as e:
         if e.signum is not None:  # this launcher was signalled: the script's workers were stopped
             return 128 + e.signum

@@ -151,6 +151,15 @@ def sbatch_script(
         "}",
         "trap on_usr1 USR1",
         "",
+        *_srun_and_requeue(code),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _srun_and_requeue(code: int) -> list[str]:
+    """The script's end: srun starts the ranks, the script waits for them (a signal cuts the wait short) and,
+    stopped at the time-limit signal, puts the job back into the queue."""
+    return [
         "# Every task is one rank: ddpkit reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_STEP_NODELIST;",
         "# the first node is the master, the port is derived from the job id (set MASTER_PORT to choose one).",
         f"# --kill-on-bad-exit=0: a rank that exits {code} after the checkpoint must not get the others killed first.",
@@ -176,7 +185,6 @@ def sbatch_script(
         "fi",
         'exit "$status"',
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _submit(script: Path) -> str:

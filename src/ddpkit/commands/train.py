@@ -36,7 +36,11 @@ def preload(cfg: Config) -> list[str]:
     """The modules every worker imports: a launch imports them once, before the workers start."""
     # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
     modules = ["torch", "ddpkit.cli", "ddpkit.train.trainer", "torch._dynamo", "torch.utils.tensorboard"]
-    modules += ["torch.distributed.elastic.multiprocessing.api", "ddpkit.config_yaml", "ddpkit.data.builtin"]
+    modules += [
+        "torch.distributed.elastic.multiprocessing.api",
+        "ddpkit.config.safe_yaml",
+        "ddpkit.data.builtin",
+    ]
     if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
         modules.append("torchvision")
     return modules  # not matplotlib: the launcher draws curves.png (in_launcher)

@@ -145,12 +145,14 @@ def check_decodable(train: Dataset, val: Dataset) -> None:
 def skipped_in_epoch(train: Dataset, val: Dataset, epoch: int, warn: Callable[[str], None]) -> int:
     """Samples left out since the last call over all ranks (collective when data.skip_corrupt, else 0); warn()
     names them on rank 0."""
-    from ddpkit.distributed.collectives import gather_object
+    from ddpkit.distributed.collectives import gather_object_to
 
     sets = [ds for ds in (train, val) if isinstance(ds, CheckedSamples) and ds.skip]
     if not sets:
         return 0
-    names = [n for part in gather_object([n for ds in sets for n in ds.take_skipped()]) or [] for n in part]
+    names = [
+        n for part in gather_object_to([n for ds in sets for n in ds.take_skipped()]) or [] for n in part
+    ]
     if names:
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         warn(f"ddpkit: warning: epoch {epoch} left out {len(names)} undecodable sample(s): {shown}")

@@ -81,6 +81,7 @@ class DistributedLoader:
         grad_accum_steps: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
+        plain_rng: bool = False,
         **loader_kwargs: Any,
     ):
         if isinstance(dataset, IterableDataset):
@@ -103,9 +104,14 @@ class DistributedLoader:
             grad_accum_steps=grad_accum_steps,
             drop_last=drop_last,
         )
-        self._user_generator = loader_kwargs.get("generator") is not None
+        # plain_rng: draw from torch's global RNG as a plain DataLoader does (its worker seed, the shuffle
+        # seed) instead of generators of its own: prepare() in one process, where the script must stay the same
+        # random stream as before it was ported.
+        self.sampler.draw_seed = plain_rng
+        self._user_generator = plain_rng or loader_kwargs.get("generator") is not None
         kwargs = _loader_kwargs(loader_kwargs)
-        kwargs.setdefault("generator", self._generator(0))
+        if not plain_rng:
+            kwargs.setdefault("generator", self._generator(0))
         self.loader = DataLoader(
             dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=False, **kwargs
         )
@@ -147,17 +153,20 @@ class DistributedLoader:
     def state_dict(self) -> dict[str, int]:
         """{"epoch", "consumed"}: where the next sample comes from (mid-pass: the current position; after a
         pass broken early: where it stopped)."""
+        drawn = {"drawn": self.sampler.drawn} if self.sampler.draw_seed else {}
         if self._running is not None:
             epoch, start = self._running
-            return {"epoch": epoch, "consumed": self._consumed(start)}
+            return {"epoch": epoch, "consumed": self._consumed(start), **drawn}
         if self._stopped is not None and self._stopped[2] == self.sampler.explicit:  # nobody chose since
-            return {"epoch": self._stopped[0], "consumed": self._stopped[1]}
-        return {"epoch": self.sampler.epoch, "consumed": self.sampler.start}
+            return {"epoch": self._stopped[0], "consumed": self._stopped[1], **drawn}
+        return {"epoch": self.sampler.epoch, "consumed": self.sampler.start, **drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a state_dict(): the next pass is that epoch, from that sample."""
         self.set_epoch(int(state["epoch"]))
         self.set_start(int(state.get("consumed", 0)))
+        if state.get("drawn") is not None:
+            self.sampler.drawn = int(state["drawn"])
 
     def __iter__(self) -> Iterator[Any]:
         s = self.sampler
@@ -198,6 +207,7 @@ def eval_loader(
     *,
     rank: int | None = None,
     world_size: int | None = None,
+    plain_rng: bool = False,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """An evaluation loader: every sample exactly once over all ranks (no padding, no duplicates).
@@ -209,7 +219,8 @@ def eval_loader(
     sampler = ExactEvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
     # Its own generator: a DataLoader without one draws a seed from the global RNG at every pass, so an
     # evaluation would shift the training random stream (a run evaluated at a stop would resume differently).
-    if loader_kwargs.get("generator") is None:
+    # (plain_rng: as DistributedLoader's.)
+    if loader_kwargs.get("generator") is None and not plain_rng:
         loader_kwargs["generator"] = torch.Generator().manual_seed(0)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **_loader_kwargs(loader_kwargs)
@@ -227,13 +238,20 @@ def _kept(loader: DataLoader) -> dict[str, Any]:
 
 
 def convert_loader(
-    loader: DataLoader, *, seed: int = 0, rank: int | None = None, world_size: int | None = None
+    loader: DataLoader,
+    *,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    role: str | None = None,
+    plain_rng: bool = False,
 ):
     """A user's DataLoader re-made as a distributed one that keeps all its other arguments.
 
     shuffle=True (a RandomSampler) -> a DistributedLoader (training: the global order, set_epoch automatic);
     shuffle=False (a SequentialSampler) -> an exact evaluation loader (every sample once over all ranks), or,
-    with drop_last=True, an unshuffled DistributedLoader. Any other sampler, a batch_sampler of the user's own
+    with drop_last=True, an unshuffled DistributedLoader. `role` ("train"/"eval") overrides that guess;
+    `plain_rng`: as DistributedLoader's. Any other sampler, a batch_sampler of the user's own
     or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
     """
     if isinstance(loader, DistributedLoader):
@@ -263,7 +281,9 @@ def convert_loader(
         )
     kwargs = _kept(loader)
     shuffle = isinstance(sampler, RandomSampler)
-    if shuffle or loader.drop_last:
+    if role is None:
+        role = "train" if shuffle or loader.drop_last else "eval"
+    if role == "train":
         return DistributedLoader(
             loader.dataset,
             loader.batch_size,
@@ -272,9 +292,12 @@ def convert_loader(
             drop_last=loader.drop_last,
             rank=rank,
             world_size=world_size,
+            plain_rng=plain_rng,
             **kwargs,
         )
-    return eval_loader(loader.dataset, loader.batch_size, rank=rank, world_size=world_size, **kwargs)
+    return eval_loader(
+        loader.dataset, loader.batch_size, rank=rank, world_size=world_size, plain_rng=plain_rng, **kwargs
+    )
 
 
 def build_loaders(

@@ -11,7 +11,7 @@ another world size without seeing a sample twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -55,6 +55,11 @@ class GlobalOrderSampler(Sampler[int]):
         self.start = 0  # positions of the epoch's global order already consumed (mid-epoch resume)
         self.start_epoch = 0  # the epoch `start` belongs to
         self.explicit = 0  # how often set_epoch was called: a loader auto-advances only when nobody did
+        # draw_seed: each pass's shuffle seed is drawn from torch's global RNG as RandomSampler draws it (one
+        # process under prepare(): the same random stream as the user's own DataLoader); `drawn`: this pass's.
+        self.draw_seed = False
+        self.drawn: int | None = None
+        self.on_iter: Callable[[], None] | None = None  # a check before each pass (prepare()'s roles)
         need = self.global_batch * self.grad_accum_steps if self.drop_last else self.world_size
         if self.dataset_len < need:
             accum = f" x train.grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
@@ -116,7 +121,8 @@ class GlobalOrderSampler(Sampler[int]):
     def global_order(self) -> torch.Tensor:
         """The whole epoch's order (padded when drop_last=False), identical on every rank and world size."""
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            seed = self.drawn if self.draw_seed and self.drawn is not None else self.seed + self.epoch
+            g = torch.Generator().manual_seed(seed)
             order = torch.randperm(self.dataset_len, generator=g)
         else:
             order = torch.arange(self.dataset_len)
@@ -135,6 +141,11 @@ class GlobalOrderSampler(Sampler[int]):
         return self.global_order()[self.start + self.rank : end : self.world_size].tolist()
 
     def __iter__(self) -> Iterator[int]:
+        if self.on_iter is not None:
+            self.on_iter()
+        resuming = self.start and self.start_epoch == self.epoch and self.drawn is not None
+        if self.draw_seed and self.shuffle and not resuming:
+            self.drawn = int(torch.empty((), dtype=torch.int64).random_().item())
         return iter(self.indices())
 
     def __len__(self) -> int:
@@ -158,7 +169,11 @@ class ExactEvalSampler(Sampler[int]):
         self.begin = rank * base + min(rank, extra)
         self.end = self.begin + base + (1 if rank < extra else 0)
 
+    on_iter: Callable[[], None] | None = None  # a check before each pass (prepare()'s roles)
+
     def __iter__(self) -> Iterator[int]:
+        if self.on_iter is not None:
+            self.on_iter()
         return iter(range(self.begin, self.end))
 
     def __len__(self) -> int:

@@ -18,6 +18,7 @@ COLLECTIVES = (
     "broadcast_object",
     "gather",
     "gather_object",
+    "gather_object_to",
     "get_rank",
     "get_world_size",
     "is_main_process",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +31,7 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-    from ddpkit.cluster.env import (
+    from ddpkit.cluster.launchers import (
         world_variables,  # the launcher-detector table's (never a batch shell's)
     )
 
@@ -124,11 +125,39 @@ def _like(value: Any, total: float) -> Any:
     return int(total) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else total
 
 
+class _ShapesChecked:
+    """The process group whose ranks were found to pass reductions of one shape (checked on the first call)."""
+
+    group: Any = None
+
+
+def _check_shapes(t: torch.Tensor) -> None:
+    """On the first reduction in a group, every rank's shape and dtype must agree: else each rank raises,
+    naming the rank that differs, instead of a gloo timeout much later."""
+    world = dist.group.WORLD
+    if _ShapesChecked.group is world:
+        return
+    mine = (tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    _ShapesChecked.group = world
+    odd = [r for r, s in enumerate(seen) if s != seen[0]]
+    if odd:
+        r = odd[0]
+        raise UserError(
+            f"all_reduce_sum: rank {r} passed shape {list(seen[r][0])} ({seen[r][1]}), rank 0 passed "
+            f"{list(seen[0][0])} ({seen[0][1]})",
+            "every rank must reduce a value of the same shape (the same list length) at the same call",
+        )
+
+
 def all_reduce_sum(value: Any) -> Any:
-    """Sum a tensor, a number, or a list/tuple of numbers over all ranks (returns a new value)."""
+    """Sum a tensor, a number, or a list/tuple of numbers over all ranks (returns a new value). The first call
+    in a process group checks that every rank passes the same shape."""
     if isinstance(value, torch.Tensor):
         out = value.detach().clone()
         if is_dist():
+            _check_shapes(out)
             moved = out.to(_comm_device())
             dist.all_reduce(moved, op=dist.ReduceOp.SUM)
             out = moved.to(value.device)
@@ -164,13 +193,20 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Every rank's `obj` in rank order on `dst`; None elsewhere."""
+def gather_object_to(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj` in rank order on rank `dst` only; None on the others (`all_gather_object`: on every
+    rank, as `gather` does for tensors and lists)."""
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * get_world_size() if get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
     return out
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Deprecated: `gather_object_to` (on one rank), or `all_gather_object` (on every rank, like `gather`)."""
+    _deprecated("gather_object", "gather_object_to(obj, dst) (or all_gather_object for every rank)")
+    return gather_object_to(obj, dst)
 
 
 def gather(value: Any) -> Any:
@@ -220,8 +256,17 @@ def seed_everything(seed: int) -> None:
 
 
 def seed_model_init(seed: int) -> None:
-    """Same seed on every rank, so every rank builds identical initial weights."""
+    """Deprecated: `seed_everything(seed)` with the same seed on every rank does the same."""
+    _deprecated("seed_model_init", "seed_everything(seed)")
     seed_everything(seed)
+
+
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(
+        f"ddpkit.{name} is deprecated and goes in the next release: use ddpkit.{instead}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def seed_rank(seed: int, rank: int | None = None) -> int:

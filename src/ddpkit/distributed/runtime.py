@@ -52,7 +52,8 @@ def check_cpu_processes(nproc: int) -> None:
     if nproc > cores and os.environ.get(OVERSUBSCRIBE_VAR) != "1":
         raise UserError(
             f"{nproc} processes on this node but it has only {cores} CPU core(s) and no GPU",
-            f"start at most {cores} per node, or set {OVERSUBSCRIBE_VAR}=1 if you mean to share the cores",
+            f"start at most {cores} per node, or add --oversubscribe ({OVERSUBSCRIBE_VAR}=1) if you mean to "
+            "share the cores",
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from ddpkit import channels
 from ddpkit.cluster.netif import hosted_endpoint, use_interface
 from ddpkit.diagnostics import stacks
+from ddpkit.distributed import reaper, torchrun_compat
 from ddpkit.errors import Preempted, UserError, WorkerFailure, first_line
 from ddpkit.launcher import signals, usermain, warm_start
 from ddpkit.launcher.peers import name_lost_nodes, watch
@@ -46,6 +47,8 @@ STARTER_FLAGS = frozenset(
     | stacks.FLAGS
 )
 LAUNCH_FLAGS = STARTER_FLAGS | {"--init-method", "--rank", "--world-size", "--local-rank"}
+# torchrun's spellings: each flag with underscores too, and flags that take no value (torchrun_compat.py).
+STARTER_FLAGS, LAUNCH_FLAGS = torchrun_compat.spellings(STARTER_FLAGS, LAUNCH_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -82,32 +85,51 @@ class LaunchSpec:
 
 def add_launch_flags(parser) -> None:
     """The launch flags every command that starts workers shares, on an argparse parser."""
+    both = torchrun_compat.both_spellings
     g = parser.add_argument_group("launch flags")
-    g.add_argument("--nproc-per-node", type=int, metavar="N", help="start N local workers")
-    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
-    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank")
-    g.add_argument("--master-addr", metavar="HOST", help="address of node 0")
-    g.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (a free one when omitted)")
     g.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K", help="restart all workers up to K times"
+        *both("--nproc-per-node"),
+        type=torchrun_compat.nproc_value,
+        metavar="N",
+        help="start N local workers (auto, cpu, gpu: as torchrun counts them)",
+    )
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
+    g.add_argument(*both("--node-rank"), type=int, default=0, metavar="R", help="this node's rank")
+    g.add_argument(*both("--master-addr"), metavar="HOST", help="address of node 0")
+    g.add_argument(
+        *both("--master-port"), type=int, metavar="PORT", help="port on node 0 (a free one when omitted)"
+    )
+    g.add_argument(
+        *both("--max-restarts"), type=int, default=0, metavar="K", help="restart all workers up to K times"
     )
     g.add_argument("--launcher", choices=["torchrun", "spawn"], default="torchrun")
     g.add_argument(
-        "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint (any node may start first)"
+        *both("--rdzv-endpoint"),
+        metavar="HOST:PORT",
+        help="c10d rendezvous endpoint (any node may start first)",
     )
-    g.add_argument("--rdzv-backend", choices=["c10d", "static"], help="rendezvous backend")
-    g.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes for the c10d rendezvous")
-    g.add_argument("--rdzv-timeout", type=int, default=900, metavar="S", help="seconds to wait for all nodes")
-    g.add_argument("--init-method", metavar="URL", help="manual rendezvous: tcp://HOST:PORT or file:///PATH")
-    g.add_argument("--rank", type=int, metavar="R", help="this process's rank (with --init-method)")
-    g.add_argument("--world-size", type=int, metavar="W", help="number of processes (with --init-method)")
+    g.add_argument(*both("--rdzv-backend"), choices=["c10d", "static"], help="rendezvous backend")
     g.add_argument(
-        "--local-rank",
+        *both("--rdzv-id"), metavar="ID", help="job id shared by all nodes for the c10d rendezvous"
+    )
+    g.add_argument(
+        *both("--rdzv-timeout"), type=int, default=900, metavar="S", help="seconds to wait for all nodes"
+    )
+    g.add_argument(
+        *both("--init-method"), metavar="URL", help="manual rendezvous: tcp://HOST:PORT or file:///PATH"
+    )
+    g.add_argument("--rank", type=int, metavar="R", help="this process's rank (with --init-method)")
+    g.add_argument(
+        *both("--world-size"), type=int, metavar="W", help="number of processes (with --init-method)"
+    )
+    g.add_argument(
+        *both("--local-rank"),
         type=int,
         metavar="L",
         help="this process's GPU on its host (with --init-method; default LOCAL_RANK, else its place among "
         "the ranks on its host)",
     )
+    torchrun_compat.add_flags(g)
     stacks.add_flags(g)
 
 
@@ -148,6 +170,7 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
 
 def spec_from_args(args, environ: Mapping[str, str] | None = None) -> LaunchSpec:
     """Validate the launch flags into a LaunchSpec (under srun, node 0 and this node's rank come from Slurm)."""
+    torchrun_compat.apply(args)
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
@@ -233,7 +256,7 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
             skip = False
             continue
         if a.split("=", 1)[0] in STARTER_FLAGS:
-            skip = "=" not in a
+            skip = "=" not in a and a not in torchrun_compat.NO_VALUE
             continue
         out.append(a)
     return out
@@ -271,13 +294,19 @@ def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) ->
 
 
 def _failure(
-    failures: dict[int, int], restarts: int, forwarded: int = 0, ended_by_us: frozenset[int] = frozenset()
+    failures: dict[int, int],
+    restarts: int,
+    forwarded: int = 0,
+    ended_by_us: frozenset[int] = frozenset(),
+    script: bool = False,
 ) -> WorkerFailure | Preempted:
     """How the launch ends when workers failed; `forwarded`: the signal this launcher passed on to them;
     `ended_by_us`: ranks the launcher itself terminated after the first failure (named, but their status is not
-    the job's)."""
+    the job's); `script`: a user's script, whose exit 3 means preempted only when this launcher stopped it."""
     codes = {c for r, c in failures.items() if r not in ended_by_us} or set(failures.values())
-    if codes == {PREEMPTED_EXIT}:  # every worker that ended stopped after the agreed checkpoint
+    if codes == {PREEMPTED_EXIT} and (
+        forwarded or not script
+    ):  # every worker that ended stopped after the agreed checkpoint
         return Preempted(
             "workers stopped at a step boundary after a checkpoint; rerun the same command to continue"
         )
@@ -341,6 +370,7 @@ def launch_elastic(
     python_args: Sequence[str],
     warm: tuple[Callable[[list[str]], Any], list[str]] | None = None,
     meanwhile: Callable[[], None] | None = None,
+    script: bool = False,
 ) -> None:
     """Run `python PYTHON_ARGS` on nproc_per_node workers per node via torch's elastic agent (as torchrun does).
 
@@ -410,7 +440,7 @@ def launch_elastic(
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        err = _failure(codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder))
+        err = _failure(codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder), script)
         raise stacks.job_failure(err, ranks) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, which torch's agent passes on to the workers itself
         raise Preempted(
@@ -475,9 +505,10 @@ def launch_spawn(
     argv: Sequence[str],
     fn: Callable[[list[str]], int],
     meanwhile: Callable[[], None] | None = None,
+    script: bool = False,
 ) -> None:
-    """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn (`meanwhile`: as for
-    launch_elastic)."""
+    """Run fn(argv) on nproc_per_node processes started by torch.multiprocessing.spawn (`meanwhile`, `script`:
+    as for launch_elastic); no process they started outlives the launch (reaper.py)."""
     import torch.multiprocessing as mp
 
     _launched()
@@ -497,7 +528,7 @@ def launch_spawn(
         signals.PARENT_VAR: str(os.getpid()),
     }
     forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
-    with forwarder, ranks:  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
+    with forwarder, ranks, reaper.reaping():  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
         context = mp.start_processes(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=False)
         try:
             while not context.join():
@@ -514,4 +545,4 @@ def launch_spawn(
             ours = frozenset(
                 r for r, c in failed.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
             )
-            raise stacks.job_failure(_failure(failed, 0, forwarder.signum, ours), ranks) from None
+            raise stacks.job_failure(_failure(failed, 0, forwarder.signum, ours, script), ranks) from None

@@ -12,12 +12,14 @@ import os
 import pickle
 import queue
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.errors import UserError, WorkerFailure, first_line
+from ddpkit.distributed import blame
+from ddpkit.errors import UserError, first_line
 
 # How long the other workers get to finish after one failed, before they are killed.
 GRACE_S = 5.0
@@ -80,6 +82,8 @@ def launch(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise UserError(f"ddpkit.launch: nprocs must be a whole number >= 1, got {nprocs!r}", "e.g. nprocs=2")
     method = start_method or ("fork" if _interactive(fn) else "spawn")
+    if method != "fork":
+        blame.check_importable(fn)
     if method == "fork":
         import torch
 
@@ -98,33 +102,46 @@ def launch(
     ]
     for p in procs:
         p.start()
+    ok = False
     try:
-        return _collect(procs, results)
+        values = _collect(procs, results, timeout_s)
+        ok = True
+        return values
     finally:
         for p in procs:
-            p.join(timeout=GRACE_S)
+            p.join(timeout=GRACE_S if ok else 1.0)
             if p.is_alive():
                 p.kill()
                 p.join()
 
 
-def _collect(procs: list, results: Any) -> list[Any]:
-    """The values in rank order; WorkerFailure at the first failure (a raised error or a process that died)."""
-    from ddpkit.launcher.launch import describe_exit
-
+def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
+    """The values in rank order, or WorkerFailure naming the culprit (blame.py): once a rank has failed, the
+    others get BLAME_S to report; once one has finished, the others get timeout_s to finish."""
     values: dict[int, Any] = {}
-    while len(values) < len(procs):
+    errors: dict[int, tuple[str, str]] = {}
+    first: tuple[int, float] | None = None  # (rank, when) of the first rank that finished or failed
+    failed_at: float | None = None
+    while len(values) + len(errors) < len(procs):
         try:
             rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
-            if dead:
-                r = dead[0]
-                raise WorkerFailure(f"worker rank {r} died ({describe_exit(procs[r].exitcode)})") from None
+            now = time.monotonic()
+            dead = [r for r, p in enumerate(procs) if r not in values and r not in errors and p.exitcode]
+            if dead and failed_at is None:
+                failed_at = now
+            if failed_at is not None and now - failed_at > blame.BLAME_S:
+                break
+            if first is not None and now - first[1] > timeout_s and failed_at is None:
+                raise blame.stuck(procs, values, first[0], timeout_s) from None
             continue
+        now = time.monotonic()
+        first = first or (rank, now)
         if status == "error":
-            line, trace = value
-            print(f"--- worker rank {rank} ---\n{trace}", file=sys.stderr, flush=True)
-            raise WorkerFailure(f"worker rank {rank} failed: {line}")
-        values[rank] = pickle.loads(value)  # bytes our own worker pickled, not a file of the user's
+            errors[rank] = value
+            failed_at = failed_at or now
+        else:
+            values[rank] = pickle.loads(value)  # bytes our own worker pickled, not a file of the user's
+    if errors or failed_at is not None:
+        raise blame.culprit(procs, values, errors)
     return [values[r] for r in range(len(procs))]

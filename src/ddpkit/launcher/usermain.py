@@ -21,20 +21,24 @@ import os
 import runpy
 import sys
 import time
-import traceback
+
+from ddpkit.distributed import group_check
 
 
 def run_python(target: list[str]) -> int:
     """Run `python TARGET` inside this process: the script (or -m MODULE) as __main__; its exit status.
     An uncaught exception propagates (a spawned worker reports it to its launcher)."""
+    from ddpkit.distributed.local_rank import script_args
+
     try:
         if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
+            sys.argv = [target[1], *script_args(target[2:])]
             runpy.run_module(target[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = list(target)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
+            sys.argv = [target[0], *script_args(target[1:])]
+            path = os.path.abspath(target[0])  # __file__ absolute, as `python SCRIPT.py` gives it
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
@@ -55,7 +59,9 @@ def _script_frames(tb):
 def run_released(target: list[str]) -> int:
     """run_python, then release what the script made while the interpreter is alive, and let gloo drain."""
     try:
-        return run_python(target)
+        code = run_python(target)
+        group_check.warn_if_no_group()
+        return code
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -64,6 +70,27 @@ def run_released(target: list[str]) -> int:
             from ddpkit.distributed.runtime import EXIT_DRAIN_S
 
             time.sleep(EXIT_DRAIN_S)
+
+
+def _report(e: BaseException) -> None:
+    """The script's traceback as `python SCRIPT.py` prints it, through sys.excepthook: once the script made a
+    process group, torch's hook prefixes each line with `[rankN]:` (as under torchrun)."""
+    tb = _script_frames(e.__traceback__)
+    sys.excepthook(type(e), e.with_traceback(tb), tb)
+    sys.stderr.flush()
+
+
+def run_spawned(target: list[str]) -> int:
+    """The script in a worker that torch.multiprocessing.spawn started: the platform's own start method for the
+    script's processes (a DataLoader's workers must not inherit spawn's), its traceback printed here."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        return run_released(target)
+    except Exception as e:
+        _report(e)
+        return 1
 
 
 def main(argv: list[str]) -> int:
@@ -81,7 +108,7 @@ def main(argv: list[str]) -> int:
     try:
         return run_released(argv)
     except Exception as e:
-        traceback.print_exception(type(e), e, _script_frames(e.__traceback__))
+        _report(e)
         return 1
 
 

@@ -68,7 +68,7 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
 
 def forward_backward(trainer, micro_batches) -> None:
     """The pipeline's forward and backward of one optimizer step's batch, counted in the train sums once."""
-    from ddpkit.builders import to_device
+    from ddpkit.train.builders import to_device
 
     parts: PipelineParts = trainer.pipeline
     for x, y in micro_batches:  # one batch: grad_accum_steps is 1 under a pipeline
@@ -81,7 +81,7 @@ def forward_backward(trainer, micro_batches) -> None:
 
 def evaluate(trainer) -> dict[str, Any]:
     """Exact validation metrics (every sample once, forward only through the stages), on every rank."""
-    from ddpkit.tasks import EVAL_WIDTH
+    from ddpkit.train.tasks import EVAL_WIDTH
 
     parts: PipelineParts = trainer.pipeline
     sums = parts.runner.evaluate(trainer.val_loader, trainer.task.eval_sums, EVAL_WIDTH, parts.fixed_batch)

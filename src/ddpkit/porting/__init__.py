@@ -11,6 +11,7 @@ back on the right device, unwrapped: the same script runs as `python script.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit.data.loaders import DistributedLoader, convert_loader
+from ddpkit.data.roles import prepare_loader, remember_model, roles_for
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
@@ -67,6 +69,11 @@ def _rebuilt_optimizer(
         return type(old)(groups, **{k: v for k, v in old.defaults.items() if k not in ("differentiable",)})
 
     return strategy.build_optimizer(model, factory)
+
+
+def _wrapped(model: nn.Module) -> bool:
+    """Already inside a wrapper (DDP, FSDP, torch.compile: prepare() made it, or the user did)."""
+    return unwrap_module(model) is not model
 
 
 def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
@@ -133,6 +140,7 @@ def prepare(
     sync_bn: bool = False,
     seed: int = 0,
     ddp_options: dict | None = None,
+    roles: Sequence[str] | None = None,
     tp: int = 1,
     tp_plan: dict | None = None,
     pp: int = 1,
@@ -146,8 +154,10 @@ def prepare(
     nn.Module: moved to this rank's device, SyncBatchNorm if `sync_bn` and several processes, wrapped for
     `strategy` (auto: ddp with several processes, as is with one; single, ddp, zero1, fsdp). Optimizer: kept
     (re-made over the sharded parameters for zero1/fsdp). DataLoader: re-made as a distributed loader keeping its
-    other arguments (shuffled -> training, unshuffled -> exact evaluation); `seed` seeds the shared shuffle.
-    LR schedulers and anything else: returned as they are. Initialises the process group if nobody did.
+    other arguments (shuffled -> training, unshuffled -> exact evaluation, unless `roles` names each loader's:
+    "train" or "eval"; data/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
+    anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
+    process group if nobody did.
 
     `tp`: tensor-parallel degree; the model is split over groups of `tp` neighbouring ranks by `tp_plan`, torch's
     own parallelize_module plan ({submodule name: ColwiseParallel() / RowwiseParallel() / ...}; default: the
@@ -176,10 +186,11 @@ def prepare(
     if len(models) > 1:
         raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    loader_roles = roles_for(objects, roles)
     layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
     chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
     out: dict[int, Any] = {}
-    if models:
+    if models and not _wrapped(models[0]):  # one prepared already stays as it is, and so does its optimizer
         model = models[0].to(ctx.device)
         if sync_bn and ctx.world_size > 1:
             model = _sync_bn(model, ctx.device)
@@ -192,14 +203,19 @@ def prepare(
         for opt in optimizers:
             if chosen.entry.remakes_optimizer or mesh is not None:
                 out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
-    elif optimizers and chosen.entry.remakes_optimizer:
+    elif not models and optimizers and chosen.entry.remakes_optimizer:
         raise UserError(
             f"ddpkit.prepare(strategy='{chosen.name}') needs the model too", "pass model and optimizer"
         )
+    model_out = out.get(id(models[0]), models[0]) if models else None
+    if model_out is not None:
+        remember_model(model_out)
     for obj in objects:
         if isinstance(obj, DataLoader | DistributedLoader):
             dp_rank = layout.coords(ctx.rank)["dp"]
-            out[id(obj)] = convert_loader(obj, seed=seed, rank=dp_rank, world_size=layout.dp)
+            out[id(obj)] = prepare_loader(
+                obj, loader_roles.pop(0), seed=seed, rank=dp_rank, world_size=layout.dp, model=model_out
+            )
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
             raise UserError(
                 f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "

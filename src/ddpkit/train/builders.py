@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ddpkit import data, models
 from ddpkit.config import Config
-from ddpkit.distributed.collectives import rank_zero_first, seed_model_init
+from ddpkit.distributed.collectives import rank_zero_first, seed_everything
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
 from ddpkit.parallel.mesh import Layout, build_mesh, check_config
@@ -46,7 +46,7 @@ def make_model(
     """
     if for_eval and cfg.model.pretrained:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
-    seed_model_init(cfg.seed)
+    seed_everything(cfg.seed)  # the same on every rank: identical initial weights
     num_classes = cfg.model.num_classes or spec.num_classes
     model = models.build_model(
         cfg,

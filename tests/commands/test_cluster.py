@@ -1,6 +1,6 @@
 """`ddpkit slurm` writes an editable sbatch script (and submits it); its batch logic (the time-limit trap, the
 requeue) runs here for real, with stand-in `srun`/`scontrol` programs. Real Slurm jobs run in
-tests/system/test_slurm.py; `ddpkit k8s` is tested in tests/test_k8s.py.
+tests/system/test_slurm.py; `ddpkit k8s` is tested in tests/commands/test_k8s.py.
 """
 
 from __future__ import annotations
@@ -15,19 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_user_error, run_cli
-from ddpkit.cli import main
+from conftest import JOB_TRAIN, assert_user_error, cli_in_process, run_cli
 from ddpkit.config import load_config
-
-TRAIN = ["train.epochs=3", "model.arch=mlp", "optim.ref_batch_size=null", "data.root=my data"]
-
-
-def cli(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """`ddpkit ARGV` in this process -> exit code, stdout, stderr."""
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, exited.value.code, out, err)
 
 
 def sbatch_word(text: str) -> str:
@@ -77,10 +66,10 @@ def test_slurm_script_has_the_job_shape_and_preemption_lines(tmp_path, capsys):
         "--time",
         "1-02:00:00",
     ]
-    proc = cli(
+    proc = cli_in_process(
         capsys,
         "slurm",
-        *TRAIN,
+        *JOB_TRAIN,
         f"out_dir={out_dir}",
         *flags,
         "--job-name",
@@ -108,7 +97,12 @@ def test_slurm_script_has_the_job_shape_and_preemption_lines(tmp_path, capsys):
 
 
 def test_slurm_script_passes_bash_syntax_check(tmp_path, capsys):
-    assert cli(capsys, "slurm", *TRAIN, f"out_dir={tmp_path / 'run'}", "--gpus-per-node", "2").returncode == 0
+    assert (
+        cli_in_process(
+            capsys, "slurm", *JOB_TRAIN, f"out_dir={tmp_path / 'run'}", "--gpus-per-node", "2"
+        ).returncode
+        == 0
+    )
     bash = shutil.which("bash")
     assert bash, "bash is needed to check the script"
     proc = subprocess.run(
@@ -120,24 +114,28 @@ def test_slurm_script_passes_bash_syntax_check(tmp_path, capsys):
 def test_slurm_config_next_to_the_script_loads_as_the_same_config(tmp_path, capsys):
     out_dir = tmp_path / "run"
     assert (
-        cli(capsys, "slurm", *TRAIN, f"out_dir={out_dir}", "--script", str(tmp_path / "job.sh")).returncode
+        cli_in_process(
+            capsys, "slurm", *JOB_TRAIN, f"out_dir={out_dir}", "--script", str(tmp_path / "job.sh")
+        ).returncode
         == 0
     )
     text = (tmp_path / "job.sh").read_text()
     path = config_of(text)
     assert path == tmp_path / "job.yaml"
-    assert load_config(str(path)) == load_config(None, [*TRAIN, f"out_dir={out_dir}"])
+    assert load_config(str(path)) == load_config(None, [*JOB_TRAIN, f"out_dir={out_dir}"])
 
 
 def test_slurm_without_gpus_asks_for_no_gres_and_one_task_per_node(tmp_path, capsys):
     assert (
-        cli(capsys, "slurm", f"out_dir={tmp_path / 'a'}", "--nodes", "3", "--gpus-per-node", "0").returncode
+        cli_in_process(
+            capsys, "slurm", f"out_dir={tmp_path / 'a'}", "--nodes", "3", "--gpus-per-node", "0"
+        ).returncode
         == 0
     )
     d = directives((tmp_path / "a" / "slurm" / "ddpkit.sbatch").read_text())
     assert "gres" not in d and d["ntasks-per-node"] == "1" and d["nodes"] == "3", d
     assert (
-        cli(
+        cli_in_process(
             capsys, "slurm", f"out_dir={tmp_path / 'b'}", "--gpus-per-node", "0", "--ntasks-per-node", "2"
         ).returncode
         == 0
@@ -147,7 +145,9 @@ def test_slurm_without_gpus_asks_for_no_gres_and_one_task_per_node(tmp_path, cap
 
 def test_slurm_output_flag_sets_both_logs(tmp_path, capsys):
     log = tmp_path / "logs" / "train-%j.out"
-    assert cli(capsys, "slurm", f"out_dir={tmp_path / 'run'}", "--output", str(log)).returncode == 0
+    assert (
+        cli_in_process(capsys, "slurm", f"out_dir={tmp_path / 'run'}", "--output", str(log)).returncode == 0
+    )
     d = directives((tmp_path / "run" / "slurm" / "ddpkit.sbatch").read_text())
     assert (d["output"], d["error"]) == (str(log), str(tmp_path / "logs" / "train-%j.err"))
     assert log.parent.is_dir()  # Slurm does not create the log folder itself
@@ -165,7 +165,7 @@ def fake_sbatch(folder: Path, body: str) -> Path:
 def test_slurm_submit_prints_the_job_id(tmp_path, capsys, monkeypatch):
     bin_dir = fake_sbatch(tmp_path / "bin", "echo '4242;cluster'")
     monkeypatch.setenv("PATH", str(bin_dir))
-    proc = cli(capsys, "slurm", f"out_dir={tmp_path / 'run'}", "--submit")
+    proc = cli_in_process(capsys, "slurm", f"out_dir={tmp_path / 'run'}", "--submit")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "Submitted batch job 4242"
     assert (bin_dir / "args").read_text().split() == [
@@ -177,14 +177,17 @@ def test_slurm_submit_prints_the_job_id(tmp_path, capsys, monkeypatch):
 def test_slurm_submit_errors_are_user_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch at all
     assert_user_error(
-        cli(capsys, "slurm", f"out_dir={tmp_path / 'a'}", "--submit"), "sbatch is not installed", "sbatch "
+        cli_in_process(capsys, "slurm", f"out_dir={tmp_path / 'a'}", "--submit"),
+        "sbatch is not installed",
+        "sbatch ",
     )
     refusing = fake_sbatch(
         tmp_path / "bin", "echo 'sbatch: error: invalid partition specified: gpu' >&2; exit 1"
     )
     monkeypatch.setenv("PATH", str(refusing))
     assert_user_error(
-        cli(capsys, "slurm", f"out_dir={tmp_path / 'b'}", "--submit"), "invalid partition specified"
+        cli_in_process(capsys, "slurm", f"out_dir={tmp_path / 'b'}", "--submit"),
+        "invalid partition specified",
     )
 
 
@@ -207,7 +210,7 @@ def test_slurm_submit_errors_are_user_errors(tmp_path, capsys, monkeypatch):
 )
 def test_slurm_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, flags, fragment):
     out_dir = tmp_path / "run"
-    assert_user_error(cli(capsys, "slurm", f"out_dir={out_dir}", *flags), fragment)
+    assert_user_error(cli_in_process(capsys, "slurm", f"out_dir={out_dir}", *flags), fragment)
     assert not out_dir.exists()
 
 
@@ -218,7 +221,7 @@ def test_slurm_user_error_from_the_console_script(tmp_path):
 @pytest.mark.parametrize("out_dir", ["q b", "it's", 'say "x"', "a#b", "back\\slash", "100%"])
 def test_slurm_paths_are_quoted_as_sbatch_reads_them(tmp_path, capsys, out_dir):
     run = tmp_path / out_dir
-    assert cli(capsys, "slurm", f"out_dir={run}", "--gpus-per-node", "0").returncode == 0
+    assert cli_in_process(capsys, "slurm", f"out_dir={run}", "--gpus-per-node", "0").returncode == 0
     text = (run / "slurm" / "ddpkit.sbatch").read_text()
     d = directives(text)
     log = str(run / "slurm").replace("%", "%%")  # sbatch expands %-patterns in log names
@@ -229,7 +232,7 @@ def test_slurm_paths_are_quoted_as_sbatch_reads_them(tmp_path, capsys, out_dir):
 
 def test_a_line_break_in_a_directive_is_refused_before_anything_is_written(tmp_path, capsys):
     run = tmp_path / "run"
-    proc = cli(capsys, "slurm", f"out_dir={run}", "--output", str(tmp_path / "a\nb.out"))
+    proc = cli_in_process(capsys, "slurm", f"out_dir={run}", "--output", str(tmp_path / "a\nb.out"))
     assert_user_error(proc, "holds a line break")
     assert not run.exists()
 
@@ -253,7 +256,7 @@ def batch(tmp_path: Path, capsys, **env: str) -> tuple[subprocess.Popen, Path]:
     """The script `ddpkit slurm` writes, run by bash with stand-in srun/scontrol; (the process, their log)."""
     run = tmp_path / "run"
     flags = ["--gpus-per-node", "0", "--signal-before", "90"]
-    assert cli(capsys, "slurm", f"out_dir={run}", *flags).returncode == 0
+    assert cli_in_process(capsys, "slurm", f"out_dir={run}", *flags).returncode == 0
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):

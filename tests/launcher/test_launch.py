@@ -172,7 +172,7 @@ def test_failed_worker_is_named(tmp_path):
         ),
         (["--init-method", "file:///no/such/dir/x", "--rank", "0", "--world-size", "2"], "does not exist"),
         (["--launcher", "mpirun"], "invalid choice"),
-        (["--nproc-per-node", "two"], "invalid int"),
+        (["--nproc-per-node", "two"], "a number or one of auto, cpu, gpu"),
         (["--bogus"], "unrecognized arguments"),
         (["dist.backend=nccl"], "needs CUDA"),
         (["dist.backend=nccl", "--nproc-per-node", "2"], "needs CUDA"),

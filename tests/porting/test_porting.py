@@ -60,6 +60,7 @@ def _prepared_shapes():
     )
     val = DataLoader(Indexed(103), batch_size=8, shuffle=False, collate_fn=pairs)
     model, opt, train, val = ddpkit.prepare(model, opt, train, val)
+    model.eval()  # an evaluation loader is iterated by an evaluating model (prepare() checks it)
     seen = [int(v) for x, _ in val for v in x[:, 0]]
     return {
         "wrapper": type(model).__name__,

@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_env, run_cli, run_group
+from conftest import REPO, assert_user_error, cli_env, dist_context, plain, run_cli, run_group
 from ddpkit.config import Config, load_config
-from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.health import Heartbeat
-from ddpkit.distributed.runtime import DistContext
 from ddpkit.metrics import METRIC_KEYS, read_metrics
 from ddpkit.trainer import Trainer
 
@@ -228,20 +226,6 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The Trainer in-process, on real one- and two-process gloo groups (conftest.run_group)
-
-
-def dist_context(rank: int, world_size: int) -> DistContext:
-    """The DistContext of one process of a run_group (gloo on the CPU)."""
-    launcher = "manual" if world_size > 1 else "none"
-    env = DistEnv(
-        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size, launcher=launcher
-    )
-    return DistContext(env, "gloo", torch.device("cpu"))
-
-
-def plain(state: dict[str, torch.Tensor]) -> dict:
-    """A state dict as numpy arrays: what a run_group process can hand back (tensors go through shared memory)."""
-    return {k: v.detach().cpu().numpy() for k, v in state.items()}
 
 
 def tensors(state: dict) -> dict[str, torch.Tensor]:
@@ -460,8 +444,9 @@ def test_run_dir_doc_names_every_file_checkpoint_key_and_metrics_field_written(t
         state = torch.load(run / "checkpoints" / name, weights_only=True)
         keys |= set(state)
         assert state["metrics_row"] is not None
-    optional = {"comm_hook"}  # only with dist.grad_compression=powersgd (tests/test_compression.py)
+    optional = {"comm_hook"}  # only with dist.grad_compression=powersgd (tests/parallel/test_compression.py)
     assert keys == _doc_table("Checkpoint format") - optional
     fields = {k for row in read_metrics(run) for k in row}
-    assert fields == _doc_table("metrics.jsonl")
+    only_resumed = {"resumed_after"}  # in the first line of a resumed run only (tests/test_report.py's runs)
+    assert fields == _doc_table("metrics.jsonl") - only_resumed
     assert set(METRIC_KEYS) <= fields

@@ -10,10 +10,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from conftest import cli_env, run_group
+from conftest import cli_env, dist_context, run_group
 from ddpkit.distributed.health import Heartbeat, explain_comm_failures, stop_heartbeat
 from ddpkit.errors import WorkerFailure
-from test_trainer import dist_context
 
 
 def test_a_single_process_beats_nowhere_and_its_errors_pass_through():

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ddpkit.config_schema import shown
+from ddpkit.config.schema import shown
 from ddpkit.errors import UserError
 
 MAX_FILE_BYTES = 1 << 20  # 1 MiB: a config is a few hundred bytes

@@ -1,4 +1,4 @@
-"""The one config schema (typed dataclasses), YAML + dotted KEY=VALUE merging, and validation.
+"""The one config schema (typed dataclasses) and load_config: defaults <- YAML <- dotted KEY=VALUE, validated.
 
 Each key's type (`Literal[...]` for choices), bounds and one-line meaning sit beside it (`opt()`); the checks,
 their error lines, `ddpkit train --help-config` and docs/config.md are all derived from these dataclasses.
@@ -7,13 +7,13 @@ their error lines, `ddpkit train --help-config` and docs/config.md are all deriv
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ddpkit.config_schema import MAX_TEXT, Spec, check_value, opt, section, shown, spec_of, yaml_text
+from ddpkit import _moved
+from ddpkit.config.schema import Spec, check_value, opt, section, shown, spec_of
 from ddpkit.errors import UserError
 
 # torch turns dist.timeout_s into a timedelta: an infinite or huge one crashes the workers (OverflowError)
@@ -277,16 +277,16 @@ class Config:
 
 
 @functools.cache
-def _sections() -> dict[str, dataclasses.Field]:
+def section_fields() -> dict[str, dataclasses.Field]:
     """Section name -> its field in Config (default_factory: the section's dataclass; metadata: its aka names)."""
     return {f.name: f for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
 
 
 @functools.cache
-def _specs() -> dict[str, Spec]:
+def key_specs() -> dict[str, Spec]:
     """Every dotted leaf key -> its Spec, in schema order."""
     out: dict[str, Spec] = {}
-    for prefix, cls in [("", Config)] + [(f"{n}.", f.default_factory) for n, f in _sections().items()]:
+    for prefix, cls in [("", Config)] + [(f"{n}.", f.default_factory) for n, f in section_fields().items()]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.default_factory is dataclasses.MISSING:
@@ -296,48 +296,40 @@ def _specs() -> dict[str, Spec]:
 
 def valid_keys() -> list[str]:
     """Every dotted leaf key of the schema, in schema order."""
-    return list(_specs())
-
-
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    """`a.b=c` strings -> {dotted key: raw value string}; later ones win."""
-    out: dict[str, str] = {}
-    for item in items:
-        if "=" not in item or item.startswith("="):
-            raise UserError(
-                f"expected KEY=VALUE, got {shown(item)}", "write overrides as e.g. train.epochs=5"
-            )
-        key, value = item.split("=", 1)
-        out[key.strip()] = value
-    return out
+    return list(key_specs())
 
 
 def load_config(
     file: str | None = None, overrides: list[str] | None = None, base: dict | None = None
 ) -> Config:
     """Schema defaults <- `base` (e.g. a checkpoint's config) <- YAML file <- KEY=VALUE overrides; typed, validated."""
-    specs = _specs()
+    from ddpkit.config.keys import check_keys, flatten, override_value, parse_overrides
+
+    specs = key_specs()
     merged: dict[str, Any] = {}
     if isinstance(base, dict):
         merged.update(
-            {k: v for k, v in _flatten(base, "the checkpoint's config", known=True).items() if k in specs}
+            {k: v for k, v in flatten(base, "the checkpoint's config", known=True).items() if k in specs}
         )
     from_file: dict[str, Any] = {}
     if file:
-        from ddpkit.config_yaml import read_config_file
+        from ddpkit.config.safe_yaml import read_config_file
 
-        from_file = _flatten(read_config_file(file), f"config file {shown(file)}")
+        from_file = flatten(read_config_file(file), f"config file {shown(file)}")
     over = parse_overrides(overrides or [])
-    _check_keys([(k, f"in {shown(file)}") for k in from_file] + [(k, "on the command line") for k in over])
+    check_keys([(k, f"in {shown(file)}") for k in from_file] + [(k, "on the command line") for k in over])
     merged.update(from_file)
-    merged.update({k: _override_value(specs[k], v) for k, v in over.items()})
+    merged.update({k: override_value(specs[k], v) for k, v in over.items()})
     values = {k: check_value(spec, merged.get(k, spec.default)) for k, spec in specs.items()}
-    nested: dict[str, Any] = {n: {} for n in _sections()}
+    nested: dict[str, Any] = {n: {} for n in section_fields()}
     for key, value in values.items():
         sec, _, name = key.rpartition(".")
         (nested[sec] if sec else nested)[name] = value
     cfg = Config(
-        **{k: _sections()[k].default_factory(**v) if k in _sections() else v for k, v in nested.items()}
+        **{
+            k: section_fields()[k].default_factory(**v) if k in section_fields() else v
+            for k, v in nested.items()
+        }
     )
     if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":
         raise UserError(
@@ -378,90 +370,6 @@ def _check_ddp_knobs(d: DistConfig) -> None:
         )
 
 
-def _flatten(tree: dict, name: str, known: bool = False, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings -> {dotted key: value}; `known`: descend into the schema's sections only."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = prefix + str(k)
-        section = key in _sections()
-        # descend into sections, and into unknown non-empty mappings (TRAIN: {BATCH_SIZE: ..} -> TRAIN.BATCH_SIZE)
-        descend = isinstance(v, dict) and (section or (not known and v and key not in _specs()))
-        for dotted, value in _flatten(v, name, known, key + ".").items() if descend else [(key, v)]:
-            if dotted in out:
-                raise UserError(f"{name} sets {shown(dotted)} twice", "keep one of them")
-            out[dotted] = value
-    return out
-
-
-def _override_value(spec: Spec, raw: str) -> Any:
-    """A KEY=VALUE value read as YAML (so null, true, 1e-3 mean what they say); string keys keep the text as typed."""
-    if len(raw) > MAX_TEXT:
-        raise UserError(f"the value of {spec.key} is {len(raw)} characters long", f"give at most {MAX_TEXT}")
-    if raw.strip() == "":
-        return ""
-    from ddpkit.config_yaml import NotYAML, parse_yaml
-
-    try:
-        value = parse_yaml(raw, f"the value of {spec.key}")
-    except NotYAML:
-        return raw
-    keep_text = spec.base is str and value is not None and not isinstance(value, (str, list, dict))
-    return raw.strip() if keep_text else value
-
-
-def _check_keys(found: list[tuple[str, str]]) -> None:
-    """One UserError naming every key that is not in the schema (found: (key, where)), each with the closest one."""
-    bad = [(k, where) for k, where in found if k not in _specs()]
-    if not bad:
-        return
-    see = "`ddpkit train --help-config` lists every key"
-    if len(bad) == 1:
-        key, where = bad[0]
-        if key in _sections():
-            first = next(k for k in _specs() if k.startswith(key + "."))
-            raise UserError(
-                f"config key '{key}' is a section, not a value", f"set one of its keys, e.g. {first}=..."
-            )
-        close = _closest(key)
-        raise UserError(
-            f"unknown config key {shown(key)} {where}", f"did you mean '{close}'?" if close else see
-        )
-    groups: dict[str, list[str]] = {}
-    for key, where in bad[:20]:
-        close = _closest(key)
-        hint = (
-            "a section, not a value" if key in _sections() else f"did you mean '{close}'?" if close else "?"
-        )
-        groups.setdefault(where, []).append(f"{shown(key)} ({hint})")
-    listed = "; ".join(f"{where}: " + ", ".join(items) for where, items in groups.items())
-    more = f"; and {len(bad) - 20} more" if len(bad) > 20 else ""
-    raise UserError(f"{len(bad)} unknown config keys {listed}{more}", see)
-
-
-def _closest(key: str) -> str | None:
-    """The valid key the user most likely meant: case-insensitive, then other frameworks' names, then spelling."""
-    specs = _specs()
-    if len(key) > 200:  # no valid key is that long; difflib's time grows with the length
-        return None
-    low = key.lower().replace("-", "_")
-    if low in specs:
-        return low
-    parts = low.rsplit(".", 1)
-    sec_aka = {a: n for n, f in _sections().items() for a in (n, *f.metadata["aka"])}
-    sec = sec_aka.get(parts[0]) if len(parts) == 2 else None
-    tail = parts[-1]
-    pool = [s for s in specs.values() if sec is None or s.key.startswith(sec + ".")]
-    for s in pool + list(specs.values()):
-        if tail == s.key.rsplit(".", 1)[-1] or tail in s.meta.aka:
-            return s.key
-    close = difflib.get_close_matches(low if sec is None else f"{sec}.{tail}", list(specs), n=1, cutoff=0.5)
-    if close:
-        return close[0]
-    by_tail = {s.key.rsplit(".", 1)[-1]: s.key for s in reversed(pool)}
-    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.6)
-    return by_tail[hit[0]] if hit else None
-
-
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict (for checkpoints and config.yaml)."""
     return dataclasses.asdict(cfg)
@@ -474,37 +382,7 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-_INTRO = """\
-# Config keys
-
-A run's config is the defaults below, then a YAML file (`-c FILE.yaml`: nested sections or dotted keys), then
-`KEY=VALUE` overrides on the command line (dotted keys); the later one wins. `out_dir/config.yaml` records the
-result. This page is the output of `ddpkit train --help-config`.
-
-Words: a *micro-batch* is what one process feeds forward at once (`train.batch_size` samples); an *optimizer
-step* is one update, after `train.grad_accum_steps` micro-batches; the *global batch* is `train.batch_size` x
-world_size x `train.grad_accum_steps` samples per optimizer step.
-
-Values: `null` means "not set" where a key allows it; numbers must be finite (nan and inf are refused);
-strings hold at most {max_text} characters, no control characters and no `${{` (nothing is interpolated).
-Every unknown key is reported at once, each with the closest valid key. A config file holds at most {max_mib} MiB,
-{max_nodes} values (aliases counted at their expanded size) and {max_depth} levels of nesting, and never the same
-key twice."""
-
-
-def describe_keys() -> str:
-    """The config reference in Markdown: every key with its default, type and meaning (docs/config.md)."""
-    from ddpkit import config_yaml as y
-
-    limits = {"max_mib": y.MAX_FILE_BYTES >> 20, "max_nodes": y.MAX_NODES, "max_depth": y.MAX_DEPTH}
-    lines = [_INTRO.format(max_text=MAX_TEXT, **limits)]
-    titles = {"": "Top level"} | {n: f"`{n}`: {f.default_factory.__doc__}" for n, f in _sections().items()}
-    for sec, title in titles.items():
-        lines += ["", f"## {title}", ""]
-        for spec in _specs().values():
-            if spec.key.rpartition(".")[0] == sec:
-                lines += [
-                    f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):",
-                    f"  {spec.meta.meaning}",
-                ]
-    return "\n".join(lines)
+# parse_overrides (keys.py) and describe_keys (reference.py), importable from here as before
+__getattr__ = _moved.names(
+    __name__, {"parse_overrides": "ddpkit.config.keys", "describe_keys": "ddpkit.config.reference"}
+)

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import assert_user_error
+from conftest import JOB_TRAIN, assert_user_error, cli_in_process
 from ddpkit.config import load_config
-from test_cluster import TRAIN, cli
 
 
 def manifest(capsys, *flags: str) -> dict:
-    proc = cli(capsys, "k8s", *TRAIN, "out_dir=runs/digits", *flags)
+    proc = cli_in_process(capsys, "k8s", *JOB_TRAIN, "out_dir=runs/digits", *flags)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -91,7 +90,7 @@ def test_the_data_volume_is_mounted_and_data_root_points_at_it(capsys, data_pvc)
     overrides = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
     assert [o for o in overrides if o.startswith("data.root=")] == [
         "data.root=/data"
-    ]  # replaces TRAIN's "my data"
+    ]  # replaces JOB_TRAIN's "my data"
 
 
 def train_line(m: dict, role: str = "Master") -> str:
@@ -122,7 +121,7 @@ def test_k8s_command_starts_g_workers_per_pod_from_the_operator_variables(capsys
         in joined
     )
     overrides = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
-    expected = load_config(None, [*TRAIN, "out_dir=runs/digits", "data.root=/data"])
+    expected = load_config(None, [*JOB_TRAIN, "out_dir=runs/digits", "data.root=/data"])
     assert load_config(None, overrides) == expected
 
 
@@ -193,4 +192,4 @@ def test_sigterm_to_the_pod_reaches_ddpkit_and_the_pod_asks_to_be_restarted(tmp_
     ],
 )
 def test_k8s_bad_values_exit_2_with_one_line(capsys, flags, fragment):
-    assert_user_error(cli(capsys, "k8s", *flags), fragment)
+    assert_user_error(cli_in_process(capsys, "k8s", *flags), fragment)

@@ -212,5 +212,15 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_3(tmp_pa
     assert state["step"] >= 22 and len(read_metrics(out)) == state["epoch"]
 
 
-def test_docs_name_the_warm_start_switch():
-    assert "DDPKIT_WARM_START=0" in (REPO / "docs" / "launching.md").read_text()
+def test_the_warm_start_switch_the_docs_name_turns_warm_starts_off(monkeypatch):
+    import re
+
+    from ddpkit import channels
+    from ddpkit.launcher import warm_start
+
+    switch = re.findall(r"`(DDPKIT_\w+)=0`", (REPO / "docs" / "launching.md").read_text())
+    assert switch == [channels.WARM_START] * len(switch) and switch
+    monkeypatch.setenv(channels.WARM_START, "0")
+    assert not warm_start.available()
+    monkeypatch.setenv(channels.WARM_START, "1")
+    assert warm_start.available()  # Linux has the fork server

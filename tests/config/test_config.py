@@ -130,9 +130,18 @@ def test_bad_yaml_files(tmp_path):
         load_config(str(code))
 
 
-def test_shipped_recipes_load():
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        load_config(str(path))
+def test_shipped_recipes_load_and_say_what_their_files_say():
+    import yaml
+
+    from ddpkit.config.keys import flatten
+
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(recipes) >= 3
+    for path in recipes:
+        cfg, written = to_yaml(load_config(str(path))), flatten(yaml.safe_load(path.read_text()), path.name)
+        assert written, path.name
+        loaded = flatten(yaml.safe_load(cfg), "loaded")
+        assert {k: loaded[k] for k in written} == written, path.name
 
 
 def test_cli_config_errors_exit_2_and_write_nothing(tmp_path):
@@ -367,7 +376,7 @@ print(json.dumps({"line": out, "peak_mb": mb, "torch": "torch" in sys.modules, "
 def _load_in_fresh_process(path) -> dict:
     """load_config(path) in a fresh interpreter that imports only ddpkit.config (not the package, not torch)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(Path(ddpkit.config.__file__).parents[1]), str(path)],
+        [sys.executable, "-c", _MEASURE, str(Path(ddpkit.config.__file__).parents[2]), str(path)],
         capture_output=True,
         text=True,
         timeout=60,

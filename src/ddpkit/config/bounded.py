@@ -2,7 +2,7 @@
 metrics.jsonl lines, bench's config, a checkpoint's embedded config): size, alias expansion and nesting depth
 are bounded before anything is built, and each refusal is one line.
 
-YAML goes through config_yaml's counting loader (PyYAML's safe loader, aliases counted at their expanded size);
+YAML goes through safe_yaml's counting loader (PyYAML's safe loader, aliases counted at their expanded size);
 JSON's nesting is measured on the text before json.loads, whose C parser would otherwise recurse until a
 RecursionError; an object already loaded (a checkpoint's config) is walked with the same limits.
 """
@@ -63,7 +63,7 @@ def check_tree(value: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODE
 def read_yaml_file(path: str | os.PathLike, name: str, hint: str) -> Any:
     """The YAML document in file `path` within the bounds (size, aliases, depth, values); a one-line UserError
     naming `name` otherwise (`hint`: what the file should be)."""
-    from ddpkit.config_yaml import parse_yaml
+    from ddpkit.config.safe_yaml import parse_yaml
 
     try:
         with open(path, "rb") as fh:

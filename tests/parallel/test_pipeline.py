@@ -1,9 +1,10 @@
 """Pipeline parallelism on real gloo processes: `ddpkit train` on the built-in GPT under pp2 (gpipe, 1f1b,
-interleaved 1F1B), dp2 x pp2 and tp2 x pp2 ends with the full weights of the single-process run on the same
-global batch (6 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2, pp_split=...)` on a
-user's own small transformer the same; the settings a pipeline cannot run with are one error line each.
+interleaved 1F1B), dp2 x pp2 (1F1B and GPipe) and tp2 x pp2 ends with the full weights of the single-process
+run on the same global batch (6 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2,
+pp_split=...)` on a user's own small transformer the same; the settings a pipeline cannot run with are one
+error line each.
 
-Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, six 2- and 4-process runs
+Time budget: ~150 s on a quiet 2-core machine (one shared single-process reference, seven 2- and 4-process runs
 of a 4-block GPT on a 4 KB text file, one 2-process prepare() run, one refused command); the rest runs
 in-process in well under a second each. Measured: 395 s at load average 17 (other suites running).
 """
@@ -33,6 +34,7 @@ TINY = [
     "model.dropout=0",
     "optim.name=sgd",
     "optim.lr=0.5",
+    "optim.ref_batch_size=8",  # lr 0.5 as it is (the global batch is 8): 6 steps move the weights well
     "train.clip_grad_norm=0.5",
     "train.max_steps=6",
     "train.epochs=1",
@@ -84,6 +86,7 @@ LAYOUTS = {
     "dp2xpp2": (4, ["dist.pp=2"], GLOBAL_BATCH // 2),
     # GPipe's forwards before backwards are what DDP around a stage needs find_unused_parameters for
     "dp2xpp2-gpipe": (4, ["dist.pp=2", "dist.pp_schedule=gpipe"], GLOBAL_BATCH // 2),
+    "tp2xpp2": (4, ["dist.pp=2", "dist.tp=2"], GLOBAL_BATCH),
 }
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from conftest import cli_env, finish, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.distributed.signals import worker_pids
 from ddpkit.metrics import read_metrics
-from test_reliability import finish, start, wait_for
 
 # 2 epochs of 179 optimizer steps on 2 ranks: the signal comes once epoch 1 is logged.
 ARGS = ["model.arch=mlp", "data.augment=false", "train.epochs=2", "train.batch_size=4", "train.log_every=50"]
@@ -177,7 +176,9 @@ assert PARENT_VAR not in os.environ, "the launcher's mark outlived its launch"
 # A program this process starts later, through a shell (as srun or nsenter would), is nobody's worker.
 shell = subprocess.run(["sh", "-c", f"{sys.executable} -m ddpkit info"], capture_output=True, text=True)
 assert shell.returncode == 0, (shell.returncode, shell.stderr[-500:])
+print("SHELL", shell.stdout.strip(), flush=True)
 from ddpkit.cli import main
+print("AGAIN", flush=True)
 main(["info"])  # and the command line called in this process again
 """
 
@@ -190,3 +191,13 @@ def test_a_process_that_launched_once_is_nobodys_worker_afterwards(tmp_path):
         [sys.executable, "-c", AFTER_A_LAUNCH], capture_output=True, text=True, env=cli_env(), timeout=300
     )
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    out = proc.stdout.splitlines()
+    launched = [ln for ln in out[: out.index("AGAIN")] if ln.startswith("rank=")]
+    assert [ln.split()[:3] for ln in launched] == [
+        ["rank=0", "local_rank=0", "world_size=2"],
+        ["rank=1", "local_rank=1", "world_size=2"],
+    ]
+    shell = next(ln for ln in out if ln.startswith("SHELL "))  # one process of its own: not a worker of ours
+    assert shell.split()[1:4] == ["rank=0", "local_rank=0", "world_size=1"] and "launcher=none" in shell
+    again = out[out.index("AGAIN") + 1 :]
+    assert len(again) == 1 and again[0].split()[:3] == ["rank=0", "local_rank=0", "world_size=1"], again

@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_group
+from conftest import dist_context, plain, run_group
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy, build_strategy, resolve_strategy
-from test_trainer import dist_context, plain
 
 
 def test_auto_is_ddp_with_several_processes_and_single_with_one():

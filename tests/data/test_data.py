@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import cli_env, run_group
+from conftest import cli_env, run_group, write_cifar10, write_cifar100
 from ddpkit.config import Config
 from ddpkit.data import (
     CIFAR_MEAN,
@@ -44,41 +44,6 @@ def make_cfg(dataset: str = "digits", root=None, **data) -> Config:
 
 
 # ---------------------------------------------------------------- writers of the real on-disk formats
-
-
-def _cifar_rows(n: int, offset: int) -> np.ndarray:
-    """n images, image i constant per channel: R = 10*(i+offset) % 256, G = R + 1, B = R + 2."""
-    rows = np.empty((n, 3072), dtype=np.uint8)
-    for i in range(n):
-        r = (10 * (i + offset)) % 250
-        rows[i, :1024], rows[i, 1024:2048], rows[i, 2048:] = r, r + 1, r + 2
-    return rows
-
-
-def write_cifar10(root, per_batch: int = 4, test: int = 6) -> None:
-    d = root / "cifar-10-batches-py"
-    d.mkdir(parents=True)
-    for b in range(1, 6):
-        off = (b - 1) * per_batch
-        entry = {"data": _cifar_rows(per_batch, off), "labels": [(off + i) % 10 for i in range(per_batch)]}
-        (d / f"data_batch_{b}").write_bytes(pickle.dumps(entry))
-    (d / "test_batch").write_bytes(pickle.dumps({"data": _cifar_rows(test, 0), "labels": list(range(test))}))
-    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-    (d / "batches.meta").write_bytes(pickle.dumps({"label_names": names, "num_cases_per_batch": per_batch}))
-
-
-def write_cifar100(root, train: int = 12, test: int = 5) -> None:
-    d = root / "cifar-100-python"
-    d.mkdir(parents=True)
-    for name, n in (("train", train), ("test", test)):
-        labels = [(7 * i) % 100 for i in range(n)]
-        entry = {"data": _cifar_rows(n, 0), "fine_labels": labels, "coarse_labels": [y // 5 for y in labels]}
-        (d / name).write_bytes(pickle.dumps(entry))
-    meta = {
-        "fine_label_names": [f"c{i}" for i in range(100)],
-        "coarse_label_names": [f"s{i}" for i in range(20)],
-    }
-    (d / "meta").write_bytes(pickle.dumps(meta))
 
 
 def write_mnist(root, train: int = 10, test: int = 4) -> None:
