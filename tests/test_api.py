@@ -1,4 +1,4 @@
-"""The public API (`import ddpkit`): what editors resolve, what is deprecated and how it warns. Budget: 2 s."""
+"""The public API (`import ddpkit`): what editors resolve, what is deprecated and how it warns. Budget: 15 s (imports torch, one process)."""
 
 from __future__ import annotations
 

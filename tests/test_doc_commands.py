@@ -73,7 +73,7 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
-TP_TEST = "tests/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
+TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -132,8 +132,18 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
+    "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
+        "tests/train/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
+    ),
+    "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
+        "tests/train/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
+    ),
+    "ddpkit report runs/text_gpt --out text_gpt.png": (
+        "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
+    ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
-    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
+    "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",

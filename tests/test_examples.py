@@ -163,7 +163,9 @@ def test_every_line_that_runs_here_is_run_by_a_test():
 
 
 def test_docstring_parsing_sees_marks_continuations_and_unknown_commands(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "EXAMPLES", tmp_path)
+    import conftest
+
+    monkeypatch.setattr(conftest, "EXAMPLES", tmp_path)  # where doc_commands reads the examples
     (tmp_path / "x.py").write_text(
         '"""Doc.\n\n    A=1 torchrun --nnodes 2 examples/x.py \\\\\n'
         "        --data cifar10    # 2 nodes; needs CIFAR-10\n"

@@ -1,9 +1,10 @@
 """checkpoint.format=sharded and checkpoints that reshard: written under one layout and world size, continued
 under another to the unbroken run's weights.
 
-Time budget: about 90 s on a quiet 2-core machine (one reference run, one 2-process fsdp run whose sharded
-checkpoint is continued twice, one 2-process run stopped by SIGTERM, a few one-line refusals; the rest reads and
-writes folders in this process).
+Time budget: about 180 s on a quiet 2-core machine (measured: 555 s while the machine ran other suites beside
+it): one single-process reference, a dp2×tp2 run on 4 processes whose sharded checkpoint is continued three
+ways, a pp2 run continued two ways, one fsdp run stopped by SIGTERM and resumed on one process, eval and a
+one-line refusal; the rest reads and writes folders in this process.
 """
 
 from __future__ import annotations

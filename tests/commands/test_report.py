@@ -316,3 +316,15 @@ def test_only_a_one_node_launcher_draws_the_curves(nnodes, curves, draws):
     cfg = load_config(None, [f"report.curves={str(curves).lower()}"])
     tail = train.in_launcher(cfg, LaunchSpec(nnodes=nnodes, nproc_per_node=2))
     assert (tail is not None) is draws
+
+
+def test_resumes_come_from_metrics_jsonl_alone(resumed, tmp_path, capsys):
+    run = tmp_path / "nolog"
+    shutil.copytree(resumed, run)
+    (run / "log.txt").unlink()  # the numbers and the resume marks are all in metrics.jsonl
+    assert [r.get("resumed_after") for r in rows(run)] == [None, 1]
+    js = tmp_path / "n.json"
+    code, _, err = cli(capsys, "report", str(run), "--out", str(tmp_path / "n.png"), "--json", str(js))
+    assert code == 0, err
+    (s,) = json.loads(js.read_text())["runs"]
+    assert s["resumed_after"] == [1] and s["series"]["epoch"] == [1, 2]

@@ -86,6 +86,7 @@ LAYOUTS = {
     "dp2xpp2": (4, ["dist.pp=2"], GLOBAL_BATCH // 2),
     # GPipe's forwards before backwards are what DDP around a stage needs find_unused_parameters for
     "dp2xpp2-gpipe": (4, ["dist.pp=2", "dist.pp_schedule=gpipe"], GLOBAL_BATCH // 2),
+    # each stage split over a tensor-parallel pair (parallel/mesh/tensor.py's plan, per stage)
     "tp2xpp2": (4, ["dist.pp=2", "dist.tp=2"], GLOBAL_BATCH),
 }
 

@@ -2,16 +2,17 @@
 
 Each count N runs `python -m ddpkit train ... --nproc-per-node N` in a temporary out_dir for two epochs. With
 synthetic data (the default) an epoch is exactly --steps optimizer steps at every N (the set holds
-steps x global batch samples), so epoch 1 is the warm-up (first allocations, DDP's bucket set-up, caches) and
-epoch 2 is the measurement: its `train_images_per_s` from metrics.jsonl, the training loop alone (evaluation
-and checkpoints lie outside its timer). The per-process batch stays fixed, so the global batch grows with N.
+steps x global batch samples; with data.dataset=text, about that many blocks of text), so epoch 1 is the warm-up
+(first allocations, DDP's bucket set-up, caches) and epoch 2 is the measurement: its `train_images_per_s` (and a
+language model's `train_tokens_per_s`) from metrics.jsonl, the only source of its numbers. The per-process batch
+stays fixed, so the global batch grows with N.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from ddpkit.errors import UserError, WorkerFailure
 DEFAULT_STEPS = 20
 # Used unless the config file or a KEY=VALUE sets them: synthetic data (no download, any size), the built-in CNN.
 DEFAULTS = {"data.dataset": "synthetic", "model.arch": "cnn", "data.augment": "false"}
-_DEVICE = re.compile(r"backend (\S+), device (\S+),")
+SIZED = ("synthetic", "text")  # the data sets whose epoch --steps sets
 
 
 def add_flags(parser) -> None:
@@ -76,19 +77,28 @@ def child_argv(cfg, args, n: int, steps: int | None, out_dir: Path) -> list[str]
     """The `ddpkit train` command line of one count: bench defaults < config file < KEY=VALUE < bench's own keys."""
     user = _keys_set_by_user(args.config, args.overrides)
     argv = [sys.executable, "-m", "ddpkit", "train"] + (["-c", args.config] if args.config else [])
-    argv += [f"{k}={v}" for k, v in DEFAULTS.items() if k not in user]
+    argv += [f"{k}={_value(cfg, user, k)}" for k in DEFAULTS if k not in user]
     argv += list(args.overrides)
     global_batch = cfg.train.batch_size * n * cfg.train.grad_accum_steps
     own = {"out_dir": str(out_dir), "train.epochs": 2, "train.max_steps": "null", "checkpoint.resume": "none"}
-    if _value(cfg, user, "data.dataset") == "synthetic":
+    dataset = _value(cfg, user, "data.dataset")
+    if dataset == "synthetic":
         own["data.synthetic_size"] = steps * global_batch
         if "data.synthetic_val_size" not in user:
             own["data.synthetic_val_size"] = global_batch  # the final evaluation stays short
+    if dataset == "text":  # about `steps` optimizer steps of blocks, and a tenth as much validation text
+        from ddpkit.data.text import VAL_FRACTION, min_chars
+
+        train_chars = steps * global_batch * cfg.data.block_size + 1
+        sized = math.ceil(train_chars / (1 - VAL_FRACTION)) + cfg.data.block_size
+        own["data.text_bytes"] = max(sized, min_chars(cfg.data.block_size))
     return argv + [f"{k}={v}" for k, v in own.items()] + ["--nproc-per-node", str(n)]
 
 
 def _value(cfg, user: set[str], key: str) -> Any:
     """What the child runs with: the user's value, else bench's default, else the config's default."""
+    if key == "model.arch" and key not in user and _value(cfg, user, "data.dataset") == "text":
+        return "gpt"  # the model of text data
     if key in DEFAULTS and key not in user:
         return DEFAULTS[key]
     section, name = key.split(".")
@@ -124,9 +134,7 @@ def measure(argv: list[str], n: int, out_dir: Path) -> dict[str, Any]:
         raise WorkerFailure(
             f"bench with {n} process(es): the run did not train epochs 1 and 2 on {n} processes"
         )
-    warm, timed = run.rows
-    log = (out_dir / "log.txt").read_text(encoding="utf-8", errors="replace")
-    where = _DEVICE.search(log)
+    warm, timed = run.rows  # the first line also says what the run trained on
     return {
         "nproc": n,
         "threads_per_process": threads,
@@ -135,8 +143,10 @@ def measure(argv: list[str], n: int, out_dir: Path) -> dict[str, Any]:
         "images_per_s": timed["train_images_per_s"],
         "epoch_time_s": timed["epoch_time_s"],
         "warmup_images_per_s": warm["train_images_per_s"],
-        "backend": where.group(1) if where else None,
-        "device": where.group(2) if where else None,
+        "tokens_per_s": timed.get("train_tokens_per_s"),
+        "warmup_tokens_per_s": warm.get("train_tokens_per_s"),
+        "backend": warm.get("backend"),
+        "device": warm.get("device"),
     }
 
 
@@ -153,6 +163,8 @@ def table(results: list[dict[str, Any]]) -> str:
     """The Markdown table of a bench."""
     head = ["processes", "threads/process", "global batch", "steps timed", "images/s", "speed-up"]
     head += ["efficiency", "warm-up images/s"]
+    tokens = any(r.get("tokens_per_s") is not None for r in results)
+    head += ["tokens/s"] if tokens else []
     body = [
         [
             str(r["nproc"]),
@@ -164,6 +176,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{100 * r['efficiency']:.0f}%",
             f"{r['warmup_images_per_s']:.1f}",
         ]
+        + ([f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") is not None else "-"] if tokens else [])
         for r in results
     ]
     return markdown(head, body)
@@ -203,9 +216,9 @@ def bench_command(cfg, args) -> int:
     dataset = _value(cfg, user, "data.dataset")
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps} is not >= 1", "e.g. --steps 20")
-    if args.steps is not None and dataset != "synthetic":
+    if args.steps is not None and dataset not in SIZED:
         raise UserError(
-            f"--steps sets the epoch length of synthetic data, not of data.dataset={dataset}",
+            f"--steps sets the epoch length of synthetic or text data, not of data.dataset={dataset}",
             "drop --steps (each epoch is then one pass over the data set) or use data.dataset=synthetic",
         )
     steps = args.steps or DEFAULT_STEPS
@@ -224,7 +237,7 @@ def bench_command(cfg, args) -> int:
     doc = {
         "generated_by": "ddpkit bench",
         "dataset": dataset,
-        "steps_per_epoch": steps if dataset == "synthetic" else None,
+        "steps_per_epoch": steps if dataset in SIZED else None,
         "overrides": list(args.overrides),
         "cpus": os.cpu_count(),
         "load_average_at_start": load,

@@ -16,8 +16,7 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
     from ddpkit import data
     from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model
-    from ddpkit.train.tasks import task_for
-    from ddpkit.train.trainer import evaluate
+    from ddpkit.train.tasks import evaluate, task_for
 
     path = cfg.checkpoint.path
     if not path:

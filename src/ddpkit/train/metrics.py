@@ -16,24 +16,9 @@ from typing import Any, TextIO
 
 import torch
 
-METRIC_KEYS = (  # every metrics.jsonl line has these (docs/run-dir.md says what each holds)
-    "epoch",
-    "step",
-    "world_size",
-    "global_batch_size",
-    "lr",
-    "train_loss",
-    "train_acc1",
-    "val_loss",
-    "val_acc1",
-    "val_acc5",
-    "val_ppl",
-    "val_samples",
-    "epoch_time_s",
-    "train_images_per_s",
-    "train_tokens_per_s",
-    "skipped_samples",
-)
+from ddpkit.train.metrics_file import EVERY_LINE
+
+METRIC_KEYS = EVERY_LINE  # every metrics.jsonl line has these (metrics_file.FIELDS says what each holds)
 
 
 class RunningSums:

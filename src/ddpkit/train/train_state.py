@@ -1,7 +1,8 @@
 """Where a training run stands, saved in every checkpoint so that a rerun continues exactly.
 
 Epoch (finished epochs), optimizer step, the position in the current epoch (the train loader's own
-state_dict), the current epoch's partial train sums, the best val_acc1 (classification) or val_loss (language model) and every rank's RNG streams.
+state_dict), the current epoch's partial train sums, the best val_acc1 (classification) or val_loss (language
+model) and every rank's RNG streams.
 """
 
 from __future__ import annotations

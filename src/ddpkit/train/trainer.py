@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import config as config_mod
@@ -23,11 +22,9 @@ from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
 from ddpkit.distributed.collectives import (
-    all_reduce_sum,
     barrier,
     broadcast_object,
     gather_object_to,
-    is_dist,
 )
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
@@ -47,9 +44,10 @@ from ddpkit.train.builders import (
 from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.memory import MemoryProbe
 from ddpkit.train.metrics import RunLog, read_metrics
+from ddpkit.train.metrics_file import make_row
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
-from ddpkit.train.tasks import Task, task_for
+from ddpkit.train.tasks import Task, evaluate, task_for
 from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
@@ -67,6 +65,7 @@ class Trainer:
         self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
         startup.mark("imported", keep=True)  # the command line marks it before the rendezvous
         self.startup: dict[str, float] | None = None  # measured at this process's first optimizer step
+        self.resumed_after: int | None = None  # finished epochs of the checkpoint this run continued from
         self.memory = MemoryProbe()  # this rank's parameter, gradient and optimizer-state bytes
         self.log = RunLog(cfg.out_dir, active=ctx.is_main)  # writes nothing before the run dir is claimed
         self.ckpt = CheckpointDir(
@@ -342,6 +341,7 @@ class Trainer:
         # train.max_steps also keeps that epoch's line, unless training goes on (the line comes again, whole).
         ended_here = row is not None and not self._more_to_train()
         self.log.reconcile_metrics(int(row["epoch"]) if ended_here else self.state.epoch, row)
+        self.resumed_after = self.state.epoch
         self.log.info(f"resumed from {path} ({self.state.describe()})")
 
     def _hook_states(self) -> dict[str, Any]:
@@ -381,24 +381,28 @@ class Trainer:
     ) -> dict:
         loss, acc1, units = train
         units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
-        return {
-            "epoch": epoch,
-            "step": self.state.step,
-            "world_size": self.ctx.world_size,
-            "global_batch_size": self.global_batch,
-            "lr": self.optimizer.param_groups[0]["lr"],
+        return make_row(
+            epoch=epoch,
+            step=self.state.step,
+            world_size=self.ctx.world_size,
+            global_batch_size=self.global_batch,
+            lr=self.optimizer.param_groups[0]["lr"],
             **self.task.train_fields(loss, acc1, units, elapsed),
             **val,
-            "epoch_time_s": round(elapsed, 4),
-            "skipped_samples": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            epoch_time_s=round(elapsed, 4),
+            skipped_samples=data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
             **self._first_line_only(),
-        }
+        )
 
     def _first_line_only(self) -> dict[str, float]:
-        """The start-up and memory fields for this process's first metrics line, nothing for the others."""
+        """The start-up, device and memory fields (and where a resumed run resumed) for this process's first
+        metrics line, nothing for the others."""
         fields = self.startup or {}
         if fields:
             self.startup = {}
+            fields = {**fields, "backend": str(self.ctx.backend), "device": self.device.type}
+        if self.resumed_after is not None:
+            fields["resumed_after"], self.resumed_after = self.resumed_after, None
         return {**fields, **self.memory.take()}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
@@ -437,60 +441,6 @@ class Trainer:
             self.run_dir.close()
             if self._own_heartbeat:
                 self.heartbeat.close()
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader,
-    device: torch.device,
-    criterion: nn.Module | None = None,
-    autocast=contextlib.nullcontext,
-    collective_forward: bool = False,
-    channels_last: bool = False,
-    task: Task | None = None,
-    counts: bool = True,
-) -> dict[str, Any]:
-    """Loss, top-1 and top-5 (a language model: loss per token and perplexity) over an exact (duplicate-free)
-    sharded loader, summed over all ranks; `task` defaults to classification with `criterion`.
-
-    `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
-    peers): they run every forward but add nothing."""
-    from ddpkit.train.tasks import EVAL_WIDTH, Classification
-
-    task = task or Classification(criterion)
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(EVAL_WIDTH, dtype=torch.float64, device=device)
-    batches = iter(loader)
-    n_local = n_max = len(loader)
-    if collective_forward and is_dist():
-        t = torch.tensor([n_local], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_max = int(t.item())
-    dummy = None
-    for i in range(n_max):
-        if i >= n_local:  # a rank with a shorter shard still joins the collective forward (fsdp)
-            model(dummy if dummy is not None else _dummy_input(loader, device))
-            continue
-        x, y = to_device(*next(batches), device, channels_last)
-        dummy = x[:1] if len(x) else dummy
-        with autocast():
-            logits = model(x).float()
-        if not len(y):  # every sample of the batch was undecodable and left out (data.skip_corrupt)
-            continue
-        sums += task.eval_sums(logits, y)
-    model.train(was_training)
-    return task.val_fields(all_reduce_sum(sums if counts else torch.zeros_like(sums)).tolist())
-
-
-def _dummy_input(loader, device: torch.device) -> torch.Tensor:
-    ds = loader.dataset
-    x, _ = ds.first_decodable() if isinstance(ds, data.CheckedSamples) and ds.skip else ds[0]
-    return x.unsqueeze(0).to(device)
 
 
 __all__ = ["Trainer", "evaluate"]

@@ -81,8 +81,13 @@ def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None = None) -> nn.Module:
     """Split `model` over the 1-D `tp_mesh` by `plan` (default: the built-in plan of its family), in place."""
+    import logging
+
     from torch.distributed.tensor.parallel import parallelize_module
 
+    # DTensor warns at every 2-D (dp x tp) gather that two collectives run where one could: a cost note, per
+    # step, on every rank; the layout is the user's choice, so it is not repeated into their log
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     plan = plan_for(model, tp_mesh.size()) if plan is None else plan
     try:
         return parallelize_module(model, tp_mesh, plan)

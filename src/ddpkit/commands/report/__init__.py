@@ -1,40 +1,38 @@
 """`ddpkit report`: read run directories, draw their curves, tabulate and compare them (PNG, Markdown, HTML, JSON).
 
-A run is read from its out_dir: metrics.jsonl (one line per finished epoch; when an epoch appears twice the
-later line wins), config.yaml (the resolved config; what differs between runs names them in the legend) and
-log.txt (each `resumed from ... (epoch N ...)` line marks a resume after epoch N; an epoch number that goes
-backwards in metrics.jsonl marks one too). matplotlib is imported only when a picture is drawn.
+A run is read from its out_dir: metrics.jsonl, the only source of its numbers (one line per finished epoch; when
+an epoch appears twice the later line wins; a line's `resumed_after` field, or an epoch number that goes
+backwards, marks a resume) and config.yaml (the resolved config; what differs between runs names them in the
+legend). Language-model runs are tabulated by their validation loss, perplexity and tokens/s. matplotlib is
+imported only when a picture is drawn (report/drawing.py).
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import itertools
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.commands.outputs import MARKER, add_force_flag, check_output
+from ddpkit.commands.outputs import add_force_flag, check_output
+from ddpkit.commands.report import drawing
+from ddpkit.commands.report.drawing import figure, finite, html_page, is_language_model, png_bytes
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import resolve_strategy
+from ddpkit.train.metrics_file import NUMERIC
+
+FIG_SIZE_IN, FIG_DPI = drawing.FIG_SIZE_IN, drawing.FIG_DPI  # the picture's size, named here too
 
 __all__ = ["check_output"]  # bench's outputs are checked the same way
 
 MAX_METRICS_BYTES = 64 << 20
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_KEYS = 10_000
-FIG_SIZE_IN = (12.0, 8.0)
-FIG_DPI = 100  # so a report PNG is 1200 x 800 pixels
-_RESUMED = re.compile(r"resumed from .*\(epoch (\d+)")
 _PLOTTED = ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "train_images_per_s")
-_NUMERIC = (*_PLOTTED, "epoch_time_s", "step", "world_size", "global_batch_size", "val_samples")
+_PLOTTED_LM = ("val_ppl", "train_tokens_per_s")  # in the JSON of language-model runs only
 
 
 @dataclass
@@ -64,7 +62,8 @@ def _bad(path: Path, what: str) -> UserError:
 
 
 def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
-    """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the numbering went back).
+    """metrics.jsonl -> (rows, one row per epoch, later wins; epochs after which the run resumed: where a line
+    says so in `resumed_after`, or where the numbering went back).
     Lines that are not ddpkit's epoch lines (foreign, damaged, a non-number where a number goes) are skipped
     and counted in one warning through `warn`."""
     from ddpkit.train.metrics_file import read_lines
@@ -77,12 +76,14 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
     restarts: list[int] = []
     last = 0
     for row, number in zip(lines.rows, lines.numbers, strict=True):
-        if any(_not_number(row.get(key)) for key in _NUMERIC):
+        if any(_not_number(row.get(key)) for key in NUMERIC):
             lines.skipped.append(number)
             continue
         epoch = row["epoch"]
         if epoch <= last:
             restarts.append(epoch - 1)
+        if isinstance(row.get("resumed_after"), int):
+            restarts.append(row["resumed_after"])
         last = epoch
         by_epoch[epoch] = row
     if not by_epoch:
@@ -98,19 +99,6 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
 
 def _not_number(v: Any) -> bool:
     return v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
-
-
-def _resumes_in_log(path: Path) -> list[int]:
-    """Epochs after which log.txt says the run resumed (read line by line, long lines cut)."""
-    found = []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            while line := fh.readline(1 << 16):
-                if m := _RESUMED.search(line):
-                    found.append(int(m.group(1)))
-    except FileNotFoundError:
-        pass
-    return found
 
 
 def flatten(tree: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -154,7 +142,7 @@ def load_run(path: str | os.PathLike, with_config: bool = True, warn=None) -> Ru
         raise _bad(path, "has no metrics.jsonl")
     rows, restarts = _read_rows(metrics, warn)
     last = rows[-1]["epoch"]
-    resumed = sorted({e for e in restarts + _resumes_in_log(path / "log.txt") if 1 <= e < last})
+    resumed = sorted({e for e in restarts if 1 <= e < last})
     config, text = _read_config(path / "config.yaml") if with_config else ({}, "")
     return Run(path, rows, resumed, config, text)
 
@@ -164,10 +152,6 @@ def write_bytes(path: Path, data: bytes) -> Path:
     from ddpkit.atomicio import atomic_write
 
     return atomic_write(path, lambda fh: fh.write(data))  # mode 0666 less the umask, as open() makes it
-
-
-def _finite(v: Any) -> Any:
-    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -221,6 +205,7 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
             reached, wall = r["epoch"], cum
             break
     world = rows[-1].get("world_size")
+    plotted_lm = _PLOTTED_LM if is_language_model(run) else ()
     strategy = run.config.get("dist.strategy", "auto")
     if strategy == "auto":  # what `auto` resolved to (ddpkit.parallel.strategy.resolve_strategy)
         strategy = resolve_strategy("auto", world or 1)
@@ -231,8 +216,8 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
         "world_size": run.sizes("world_size"),
         "global_batch_size": run.sizes("global_batch_size"),
         "strategy": strategy,
-        "final_val_acc1": _finite(acc[-1][1]) if acc else None,
-        "best_val_acc1": _finite(best[1]),
+        "final_val_acc1": finite(acc[-1][1]) if acc else None,
+        "best_val_acc1": finite(best[1]),
         "best_epoch": best[0],
         "target_epoch": reached,
         "target_wall_s": wall,
@@ -240,7 +225,22 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
         "train_time_s": sum(r.get("epoch_time_s") or 0.0 for r in rows),
         "resumed_after": run.resumed_after,
         "differs": _differs(run, keys),
-        "series": {k: [_finite(v) for v in run.series(k)] for k in ("epoch", *_PLOTTED)},
+        "series": {k: [finite(v) for v in run.series(k)] for k in ("epoch", *_PLOTTED, *plotted_lm)},
+        **(_language_model_summary(run) if plotted_lm else {}),
+    }
+
+
+def _language_model_summary(run: Run) -> dict[str, Any]:
+    """A language model's numbers: final and best (lowest) val_loss, final perplexity, mean tokens/s."""
+    losses = [(r["epoch"], r["val_loss"]) for r in run.rows if finite(r.get("val_loss")) is not None]
+    best = min(losses, key=lambda el: el[1]) if losses else (None, None)
+    ppl = [r["val_ppl"] for r in run.rows if finite(r.get("val_ppl")) is not None]
+    return {
+        "final_val_loss": losses[-1][1] if losses else None,
+        "best_val_loss": best[1],
+        "best_val_loss_epoch": best[0],
+        "final_val_ppl": ppl[-1] if ppl else None,
+        "mean_tokens_per_s": _mean(run.series("train_tokens_per_s")),
     }
 
 
@@ -258,6 +258,9 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
     head += ["best val_acc1 (epoch)"]
     if target is not None:
         head += [f"epoch reaching {_pct(target)}", f"train time to {_pct(target)} (s)"]
+    lm = any("final_val_loss" in s for s in summary)  # language-model runs: loss, perplexity, tokens/s too
+    if lm:
+        head += ["final val_loss", "best val_loss (epoch)", "final val ppl", "mean tokens/s"]
     head += ["mean images/s", "train time (s)", "resumed after epoch", "differs"]
     body = []
     for s in summary:
@@ -266,6 +269,11 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
         row += [_pct(s["final_val_acc1"]), best]
         if target is not None:
             row += [_num(s["target_epoch"], "d"), _num(s["target_wall_s"], ".2f")]
+        if lm:
+            best_loss = s.get("best_val_loss")
+            row += [_num(s.get("final_val_loss"), ".4f")]
+            row += ["-" if best_loss is None else f"{best_loss:.4f} ({s['best_val_loss_epoch']})"]
+            row += [_num(s.get("final_val_ppl"), ".2f"), _num(s.get("mean_tokens_per_s"), ".1f")]
         row += [_num(s["mean_images_per_s"], ".1f"), _num(s["train_time_s"], ".2f")]
         row += [", ".join(map(str, s["resumed_after"])) or "-", _pairs(s["differs"]) or "-"]
         body.append(row)
@@ -279,67 +287,6 @@ def markdown(head: list[str], body: list[list[str]]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
     return "\n".join([line(head), line(["---"] * len(head)), *map(line, body)])
-
-
-def figure(runs: list[Run], names: list[str], target: float | None = None, title: str = ""):
-    """Four panels over epochs: loss, val accuracy, lr, images/s; one colour per run, a break where it resumed."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=FIG_SIZE_IN, dpi=FIG_DPI)  # fixed margins: a layout engine would double the time
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.92, hspace=0.38, wspace=0.16)
-    axes = fig.subplots(2, 2).ravel()
-    panels = [
-        ("loss (solid: train, dashed: val)", ["train_loss", "val_loss"]),
-        ("val accuracy (top-1)", ["val_acc1"]),
-        ("learning rate (end of epoch)", ["lr"]),
-        ("training images/s", ["train_images_per_s"]),
-    ]
-    for ax, (name, _) in zip(axes, panels, strict=True):
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for i, (run, name) in enumerate(zip(runs, names, strict=True)):
-        color = f"C{i % 10}"
-        cuts = [0, *run.resumed_after, math.inf]
-        segments = [[r for r in run.rows if lo < r["epoch"] <= hi] for lo, hi in itertools.pairwise(cuts)]
-        for ax, (_, keys) in zip(axes, panels, strict=True):
-            for key, style in zip(keys, ["-", "--"][: len(keys)], strict=True):
-                for seg in segments:
-                    pts = [(r["epoch"], r[key]) for r in seg if _finite(r.get(key)) is not None]
-                    if pts:
-                        ax.plot(
-                            [p[0] for p in pts],
-                            [p[1] for p in pts],
-                            style,
-                            color=color,
-                            marker="o",
-                            markersize=3,
-                            linewidth=1.5,
-                        )
-            for e in run.resumed_after:
-                ax.axvline(e + 0.5, color=color, linestyle=":", linewidth=1, alpha=0.5)
-        resumed = (
-            f" (resumed after epoch {', '.join(map(str, run.resumed_after))})" if run.resumed_after else ""
-        )
-        axes[0].plot([], [], "-", color=color, marker="o", label=name + resumed)
-    if target is not None:
-        axes[1].axhline(target, color="gray", linestyle="--", linewidth=1)
-    fig.legend(loc="lower center", ncols=min(len(runs), 3), fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    return fig
-
-
-def png_bytes(fig) -> bytes:
-    """Render a matplotlib Figure (no pyplot, no global backend) to PNG bytes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=FIG_DPI, metadata={"Software": f"{MARKER} (matplotlib)"})
-    return buf.getvalue()
 
 
 def write_curves(out_dir: str | os.PathLike) -> Path:
@@ -401,28 +348,6 @@ class LauncherCurves:
         if not read_metrics(self.out_dir):
             return None
         return write_curves(self.out_dir)
-
-
-def html_page(png: bytes, head: list[str], body: list[list[str]], runs: list[Run], names: list[str]) -> str:
-    """One self-contained HTML file: the picture inline, the table, each run's config; no scripts, no links."""
-    e = html.escape
-    th = "".join(f"<th>{e(h)}</th>" for h in head)
-    trs = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in body)
-    configs = "".join(
-        f"<details><summary>{e(name)} &mdash; {e(str(r.path))}</summary><pre>{e(r.config_text)}</pre></details>"
-        for r, name in zip(runs, names, strict=True)
-    )
-    style = (
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}img{max-width:100%}"
-    )
-    return (
-        f'<!DOCTYPE html>\n<!-- {MARKER} report -->\n<html lang="en"><head><meta charset="utf-8"><title>ddpkit report</title>'
-        f"<style>{style}</style></head><body><h1>ddpkit report</h1>"
-        f'<img alt="training curves" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
-        f"<h2>Runs</h2><table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
-        f"<h2>Configs</h2>{configs}</body></html>\n"
-    )
 
 
 def add_flags(parser) -> None:
