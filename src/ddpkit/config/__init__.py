@@ -100,7 +100,7 @@ class ModelConfig:
 class TrainConfig:
     """The training loop."""
 
-    epochs: int = opt(10, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
+    epochs: int = opt(15, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
     max_steps: int | None = opt(
         None, "stop after this many optimizer steps in the whole run; null: no cap", gt=0
     )
@@ -115,7 +115,7 @@ class TrainConfig:
     clip_grad_norm: float | None = opt(
         None, "clip the gradient norm to this before each optimizer step; null: no clipping", gt=0
     )
-    log_every: int = opt(50, "log the running loss and accuracy every N optimizer steps", gt=0)
+    log_every: int = opt(10, "log the running loss and accuracy every N optimizer steps", gt=0)
     nonfinite: Literal["stop", "skip"] = opt(
         "stop",
         "on a non-finite loss: stop (every rank, naming the rank and step) or skip (drop that optimizer step)",
@@ -128,7 +128,7 @@ class OptimConfig:
 
     name: Literal["sgd", "adamw"] = opt("sgd", "the optimizer")
     lr: float = opt(
-        0.1,
+        0.4,
         "learning rate at optim.ref_batch_size; the one used is lr x global batch / ref_batch_size",
         gt=0,
         aka=("base_lr", "learning_rate"),
@@ -142,10 +142,10 @@ class OptimConfig:
         "every optim.step_size epochs), constant",
         aka=("lr_policy", "scheduler"),
     )
-    warmup_epochs: float = opt(0.0, "linear lr warmup over this many epochs (fractions allowed)", ge=0)
+    warmup_epochs: float = opt(1.0, "linear lr warmup over this many epochs (fractions allowed)", ge=0)
     momentum: float = opt(0.9, "SGD momentum (sgd only)", ge=0)
     nesterov: bool = opt(True, "Nesterov momentum (sgd only, when optim.momentum > 0)")
-    weight_decay: float = opt(1e-4, "weight decay, on every trainable parameter", ge=0)
+    weight_decay: float = opt(5e-4, "weight decay, on every trainable parameter", ge=0)
     step_size: int = opt(30, "epochs between lr decays (schedule=step)", gt=0)
     step_gamma: float = opt(0.1, "lr multiplier at each decay (schedule=step)", gt=0)
 

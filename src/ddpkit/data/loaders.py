@@ -237,27 +237,8 @@ def _kept(loader: DataLoader) -> dict[str, Any]:
     return out
 
 
-def convert_loader(
-    loader: DataLoader,
-    *,
-    seed: int = 0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    role: str | None = None,
-    plain_rng: bool = False,
-):
-    """A user's DataLoader re-made as a distributed one that keeps all its other arguments.
-
-    shuffle=True (a RandomSampler) -> a DistributedLoader (training: the global order, set_epoch automatic);
-    shuffle=False (a SequentialSampler) -> an exact evaluation loader (every sample once over all ranks), or,
-    with drop_last=True, an unshuffled DistributedLoader. `role` ("train"/"eval") overrides that guess;
-    `plain_rng`: as DistributedLoader's. Any other sampler, a batch_sampler of the user's own
-    or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
-    """
-    if isinstance(loader, DistributedLoader):
-        return loader
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"expected a torch DataLoader, got {type(loader).__name__}")
+def _check_shardable(loader: DataLoader) -> None:
+    """A UserError saying what to do instead when ddpkit cannot shard this loader for the user."""
     if isinstance(loader.dataset, IterableDataset):
         raise UserError(
             "ddpkit.prepare cannot shard a DataLoader over an IterableDataset",
@@ -279,6 +260,31 @@ def convert_loader(
             "ddpkit.prepare cannot shard a RandomSampler with replacement or num_samples",
             "use shuffle=True without them, or shard the loader yourself",
         )
+
+
+def convert_loader(
+    loader: DataLoader,
+    *,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    role: str | None = None,
+    plain_rng: bool = False,
+):
+    """A user's DataLoader re-made as a distributed one that keeps all its other arguments.
+
+    shuffle=True (a RandomSampler) -> a DistributedLoader (training: the global order, set_epoch automatic);
+    shuffle=False (a SequentialSampler) -> an exact evaluation loader (every sample once over all ranks), or,
+    with drop_last=True, an unshuffled DistributedLoader. `role` ("train"/"eval") overrides that guess;
+    `plain_rng`: as DistributedLoader's. Any other sampler, a batch_sampler of the user's own
+    or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
+    """
+    if isinstance(loader, DistributedLoader):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"expected a torch DataLoader, got {type(loader).__name__}")
+    _check_shardable(loader)
+    sampler = loader.sampler
     kwargs = _kept(loader)
     shuffle = isinstance(sampler, RandomSampler)
     if role is None:
