@@ -38,15 +38,28 @@ def test_bench_one_and_two_processes(tmp_path):
     assert Image.open(png).size == (1000, 450)
 
 
-@pytest.mark.slow
-def test_a_failing_child_names_the_count_and_its_error(tmp_path):
-    missing = tmp_path / "no-cifar"  # found missing by the child `ddpkit train`, not by bench's own checks
+def test_an_input_the_child_would_refuse_is_one_line_before_any_progress_line(tmp_path):
+    missing = (
+        tmp_path / "no-cifar"
+    )  # checked as the child `ddpkit train` would, before the first count starts
     args = ["data.dataset=cifar10", f"data.root={missing}", "--json", str(tmp_path / "b.json")]
     proc = run_cli("bench", "--nproc", "1", *args)
-    assert_user_error(
-        proc, "bench with 1 process(es) failed (exit 2)", f"data.root '{missing}' does not exist"
-    )
+    assert_user_error(proc, f"data.root '{missing}' does not exist")
+    assert "bench: 1 process(es)" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_failing_child_names_the_count_and_its_error():
+    import subprocess
+
+    from ddpkit.commands.bench import _last_error
+
+    proc = subprocess.CompletedProcess(
+        [], 2, "", "bench: noise\nddpkit: error: data.root 'x' does not exist\n"
+    )
+    assert _last_error(proc) == "data.root 'x' does not exist"
+    proc = subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: boom\n")
+    assert _last_error(proc) == "RuntimeError: boom"
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,17 @@ def child_argv(cfg, args, n: int, steps: int | None, out_dir: Path) -> list[str]
     return argv + [f"{k}={v}" for k, v in own.items()] + ["--nproc-per-node", str(n)]
 
 
+def check_child_inputs(cfg, args, n: int, steps: int) -> None:
+    """The checks `ddpkit train` runs on its inputs (data, model, layout), run here on the config of the first
+    count's child, so that a bad input ends the bench before it prints anything."""
+    from ddpkit.commands.train import check_inputs
+    from ddpkit.config import load_config
+
+    argv = child_argv(cfg, args, n, steps, Path(tempfile.gettempdir()) / "ddpkit-bench-check")
+    overrides = [a for a in argv[argv.index("train") + 1 : -2] if "=" in a and not a.startswith("-")]
+    check_inputs(load_config(args.config, overrides))
+
+
 def _value(cfg, user: set[str], key: str) -> Any:
     """What the child runs with: the user's value, else bench's default, else the config's default."""
     if key == "model.arch" and key not in user and _value(cfg, user, "data.dataset") == "text":
@@ -225,6 +236,7 @@ def bench_command(cfg, args) -> int:
     load = (
         os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     )  # other work on the machine skews the figures
+    check_child_inputs(cfg, args, counts[0], steps)  # a bad input is one line, before any progress line
     results = []
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
         for n in counts:
