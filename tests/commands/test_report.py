@@ -328,3 +328,21 @@ def test_resumes_come_from_metrics_jsonl_alone(resumed, tmp_path, capsys):
     assert code == 0, err
     (s,) = json.loads(js.read_text())["runs"]
     assert s["resumed_after"] == [1] and s["series"]["epoch"] == [1, 2]
+
+
+def test_nan_and_infinity_in_metrics_are_named_and_left_out(resumed, tmp_path, capsys):
+    run = tmp_path / "nan"
+    shutil.copytree(resumed, run)
+    last = rows(resumed)[-1]
+    text = (run / "metrics.jsonl").read_text().splitlines()
+    text[-1] = json.dumps(dict(last, train_loss=float("nan"), val_loss=float("inf")))  # JSON's NaN, Infinity
+    (run / "metrics.jsonl").write_text("\n".join(text) + "\n")
+    js = tmp_path / "nan.json"
+    code, _, err = cli(capsys, "report", str(run), "--out", str(tmp_path / "nan.png"), "--json", str(js))
+    assert code == 0, err
+    (warning,) = [ln for ln in err.splitlines() if "NaN or Infinity" in ln]
+    assert warning.startswith("ddpkit: warning: ") and "train_loss, val_loss" in warning
+    assert f"line(s) {len(text)}" in warning
+    (s,) = json.loads(js.read_text())["runs"]
+    assert s["series"]["train_loss"][-1] is None and s["series"]["val_loss"][-1] is None
+    assert s["series"]["val_acc1"][-1] == last["val_acc1"]

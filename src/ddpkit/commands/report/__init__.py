@@ -75,10 +75,14 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
     by_epoch: dict[int, dict[str, Any]] = {}
     restarts: list[int] = []
     last = 0
+    not_finite: dict[int, list[str]] = {}
     for row, number in zip(lines.rows, lines.numbers, strict=True):
         if any(_not_number(row.get(key)) for key in NUMERIC):
             lines.skipped.append(number)
             continue
+        if names := _not_finite(row):
+            not_finite[number] = names
+            row = {k: (None if k in names else v) for k, v in row.items()}
         epoch = row["epoch"]
         if epoch <= last:
             restarts.append(epoch - 1)
@@ -94,7 +98,24 @@ def _read_rows(path: Path, warn=None) -> tuple[list[dict[str, Any]], list[int]]:
     note = lines.note(path)
     if note and warn is not None:
         warn(note)
+    if not_finite and warn is not None:
+        warn(_not_finite_note(path, not_finite))
     return [by_epoch[e] for e in sorted(by_epoch)], restarts
+
+
+def _not_finite(row: dict[str, Any]) -> list[str]:
+    """The numeric fields of `row` holding NaN or Infinity (JSON's NaN/Infinity spellings read as floats)."""
+    return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
+def _not_finite_note(path: Path, where: dict[int, list[str]]) -> str:
+    numbers = sorted(where)
+    fields = sorted({name for names in where.values() for name in names})
+    shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+    return (
+        f"ddpkit: warning: '{path}': NaN or Infinity in {', '.join(fields)} on line(s) {shown} "
+        "(the loss diverged there?); those values are left out of the table and curves"
+    )
 
 
 def _not_number(v: Any) -> bool:
