@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -198,7 +199,9 @@ def test_legend_names_runs_by_what_differs_in_their_configs(resumed, tmp_path):
     for name, lr in (("a", "0.1"), ("b", "0.4")):
         shutil.copytree(resumed, tmp_path / name)
         cfg = tmp_path / name / "config.yaml"
-        cfg.write_text(cfg.read_text().replace("  lr: 0.1\n", f"  lr: {lr}\n"))
+        text, n = re.subn(r"(?m)^  lr: .*$", f"  lr: {lr}", cfg.read_text())
+        assert n == 1, "the config's optim.lr line"
+        cfg.write_text(text)
         runs.append(report.load_run(tmp_path / name))
     keys = report.differing_keys(runs)
     assert keys == ["optim.lr"]  # out_dir always differs and never names a run

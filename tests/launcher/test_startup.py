@@ -147,7 +147,13 @@ _LAUNCH = textwrap.dedent(
 )
 
 # Differ from one launch to the next whatever starts the workers.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "DDPKIT_START_TIME"}
+PER_LAUNCH = {
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "DDPKIT_START_TIME",
+    "DDPKIT_JOB_DIR",  # the launcher's job folder (stack dumps), one per launch
+}
 
 
 def _launch(tmp_path: Path, name: str, warm: bool, code: int = 0) -> tuple[dict, str]:
