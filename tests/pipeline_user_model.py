@@ -63,9 +63,12 @@ def model_and_data():
 
 
 def single() -> dict:
-    """The one-process run on the same global batches: ddpkit's global order, one rank."""
+    """The one-process run on the same global batches: ddpkit's seeded global order, one rank."""
     model, opt, train, val = model_and_data()
-    model, opt, train, val = ddpkit.prepare(model, opt, train, val)
+    # in one process prepare() keeps a plain DataLoader's own random order (the unported script's); the
+    # pipeline's ranks read ddpkit's seeded global order, so the reference reads that order too
+    train = ddpkit.distributed_loader(train.dataset, BATCH, shuffle=True, seed=0, drop_last=True)
+    model, opt, val = ddpkit.prepare(model, opt, val)
     for x, y in train:
         lm_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
