@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddpkit.config import Config
+from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
@@ -211,13 +212,7 @@ def _from_entry_points(arch: str) -> ModelFamily | None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == arch:
-            obj = ep.load()
-            family = obj() if callable(obj) and not isinstance(obj, ModelFamily) else obj
-            if not isinstance(family, ModelFamily):
-                raise UserError(
-                    f"entry point '{ep.value}' for model '{arch}' gave {type(family).__name__}",
-                    "it must name a ddpkit.models.ModelFamily (or a function returning one)",
-                )
+            family = entry_object(ep, ModelFamily, f"model '{arch}'", "ddpkit.models.ModelFamily")
             return register_model(family, replace=True)
     return None
 

@@ -28,6 +28,7 @@ from ddpkit.cluster.slurm_env import (
     slurm_port,
     tasks_per_node,
 )
+from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError
 
 
@@ -232,13 +233,9 @@ def _entry_point_detectors() -> None:
     for ep in entry_points(group=DETECTOR_ENTRY_POINT_GROUP):
         if ep.name in _DETECTORS:
             continue
-        obj = ep.load()
-        detector = obj() if callable(obj) and not isinstance(obj, LauncherDetector) else obj
-        if not isinstance(detector, LauncherDetector):
-            raise UserError(
-                f"entry point '{ep.value}' for launcher '{ep.name}' gave {type(detector).__name__}",
-                "it must name a ddpkit.cluster.launchers.LauncherDetector (or a function returning one)",
-            )
+        detector = entry_object(
+            ep, LauncherDetector, f"launcher '{ep.name}'", "ddpkit.cluster.launchers.LauncherDetector"
+        )
         register_launcher(detector)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError, first_line
 
 if TYPE_CHECKING:
@@ -91,13 +92,7 @@ def _from_entry_points(name: str) -> DatasetEntry | None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            obj = ep.load()
-            entry = obj() if callable(obj) and not isinstance(obj, DatasetEntry) else obj
-            if not isinstance(entry, DatasetEntry):
-                raise UserError(
-                    f"entry point '{ep.value}' for data set '{name}' gave {type(entry).__name__}",
-                    "it must name a ddpkit.data.DatasetEntry (or a function returning one)",
-                )
+            entry = entry_object(ep, DatasetEntry, f"data set '{name}'", "ddpkit.data.DatasetEntry")
             return register_dataset(entry, replace=True)
     return None
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError
 
 ENTRY_POINT_GROUP = "ddpkit.compression"
@@ -80,13 +81,12 @@ def _from_entry_points(name: str) -> CompressionMethod | None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            obj = ep.load()
-            method = obj() if callable(obj) and not isinstance(obj, CompressionMethod) else obj
-            if not isinstance(method, CompressionMethod):
-                raise UserError(
-                    f"entry point '{ep.value}' for compression method '{name}' gave {type(method).__name__}",
-                    "it must name a ddpkit.parallel.compression.CompressionMethod (or a function returning one)",
-                )
+            method = entry_object(
+                ep,
+                CompressionMethod,
+                f"compression method '{name}'",
+                "ddpkit.parallel.compression.CompressionMethod",
+            )
             return register_compression(method, replace=True)
     return None
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -99,13 +100,7 @@ def _from_entry_points(name: str) -> StrategyEntry | None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            obj = ep.load()
-            entry = obj() if callable(obj) and not isinstance(obj, StrategyEntry) else obj
-            if not isinstance(entry, StrategyEntry):
-                raise UserError(
-                    f"entry point '{ep.value}' for strategy '{name}' gave {type(entry).__name__}",
-                    "it must name a ddpkit.parallel.StrategyEntry (or a function returning one)",
-                )
+            entry = entry_object(ep, StrategyEntry, f"strategy '{name}'", "ddpkit.parallel.StrategyEntry")
             return register_strategy(entry, replace=True)
     return None
 
