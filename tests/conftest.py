@@ -375,3 +375,65 @@ def run_doc(doc: DocCommand, *extra: str, replace: dict[str, str] | None = None)
         argv, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT, env=cli_env(env), cwd=REPO
     )
     return check_ok(proc)
+
+
+# The built-in transformer on a small text, trained by `ddpkit train`: sgd at a constant lr 0.5, no dropout, 8
+# samples per optimizer step. The weights after N steps are a function of the global batch only, so every layout
+# and world size (tests/parallel, tests/checkpoint) must reach those of one process; that single-process run is
+# made once per session (gpt_reference) and shared.
+
+GPT_TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # {chr(65 + i % 26)}\n" for i in range(80))
+GPT_GLOBAL_BATCH = 8
+GPT_RUN = [
+    "model.arch=gpt",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_embd=32",
+    "model.dropout=0",
+    "data.dataset=text",
+    "data.block_size=16",
+    "optim.name=sgd",
+    "optim.lr=0.5",
+    "optim.ref_batch_size=8",  # lr 0.5 as it is: 6 steps move the weights well beyond the tolerances
+    "optim.schedule=constant",
+    "optim.warmup_epochs=0",
+    "train.epochs=1",
+    "train.log_every=1",
+    "report.curves=false",
+]
+
+
+@pytest.fixture(scope="session")
+def gpt_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gpt_text") / "corpus.txt"
+    path.write_text(GPT_TEXT)
+    return path
+
+
+def gpt_train(
+    out: Path, text: Path, nproc: int, *args: str, dp: int | None = None
+) -> subprocess.CompletedProcess:
+    """`ddpkit train` of GPT_RUN on `nproc` processes, `dp` of them data-parallel replicas (default: all)."""
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    batch = f"train.batch_size={GPT_GLOBAL_BATCH // (dp or nproc)}"
+    proc = run_cli(
+        "train", f"out_dir={out}", f"data.root={text}", *GPT_RUN, batch, *args, *launch, timeout=600
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def gpt_reference(tmp_path_factory, gpt_text) -> tuple[dict, list[dict]]:
+    """One process, 6 optimizer steps, nothing interrupted: (the full weights of last.pt, the metrics rows)."""
+    from ddpkit.checkpoint import load_checkpoint
+
+    out = tmp_path_factory.mktemp("gpt_reference") / "run"
+    gpt_train(out, gpt_text, 1, "train.max_steps=6")
+    return load_checkpoint(out / "checkpoints" / "last.pt", map_location="cpu")["model"], metrics_rows(out)

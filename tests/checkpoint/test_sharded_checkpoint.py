@@ -20,45 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import GPT_RUN, assert_user_error, cli_env, gpt_train, run_cli
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.sharded import read_model
 
-# The built-in transformer on a small text, sgd at a constant lr, no dropout: the weights after 6 optimizer steps
-# are a function of the global batch only, so every layout and world size must reach the same ones.
-TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # {chr(65 + i % 26)}\n" for i in range(80))
-GPT = ["model.arch=gpt", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.dropout=0"]
-BASE = [
-    *GPT,
-    "data.dataset=text",
-    "data.block_size=16",
-    "optim.name=sgd",
-    "optim.schedule=constant",
-    "optim.warmup_epochs=0",
-    "train.epochs=1",
-    "train.log_every=1",
-    "report.curves=false",
-]
-GLOBAL_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text(TEXT)
-    return path
-
-
-def train(
-    out: Path, text: Path, nproc: int, *args: str, dp: int | None = None
-) -> subprocess.CompletedProcess:
-    """`ddpkit train` on `nproc` processes, `dp` of them data-parallel replicas (default: all)."""
-    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    batch = f"train.batch_size={GLOBAL_BATCH // (dp or nproc)}"
-    proc = run_cli("train", f"out_dir={out}", f"data.root={text}", *BASE, batch, *args, *launch, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+# The built-in transformer on a small text (conftest.GPT_RUN): the weights after 6 optimizer steps are a function
+# of the global batch only, so every layout and world size must reach those of the session's single-process run.
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -74,18 +42,16 @@ def assert_close(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory, text) -> dict[str, torch.Tensor]:
-    """One process, 6 optimizer steps, nothing interrupted."""
-    out = tmp_path_factory.mktemp("unbroken") / "run"
-    train(out, text, 1, "train.max_steps=6")
-    return weights(out)
+def unbroken(gpt_reference) -> dict[str, torch.Tensor]:
+    """One process, 6 optimizer steps, nothing interrupted (the session's run, conftest.gpt_reference)."""
+    return gpt_reference[0]
 
 
 @pytest.fixture(scope="module")
-def tp_at_3(tmp_path_factory, text) -> Path:
+def tp_at_3(tmp_path_factory, gpt_text) -> Path:
     """4 processes, dp2 x tp2 (fsdp over the data-parallel pairs), stopped at step 3 with a sharded checkpoint."""
     out = tmp_path_factory.mktemp("dp2tp2") / "run"
-    train(out, text, 4, "dist.tp=2", "checkpoint.format=sharded", "train.max_steps=3", dp=2)
+    gpt_train(out, gpt_text, 4, "dist.tp=2", "checkpoint.format=sharded", "train.max_steps=3", dp=2)
     return out
 
 
@@ -107,7 +73,7 @@ AFTER_TP = {
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(AFTER_TP))
 def test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights(
-    tp_at_3, unbroken, text, tmp_path, layout
+    tp_at_3, unbroken, gpt_text, tmp_path, layout
 ):
     last = tp_at_3 / "checkpoints" / "last.dcp"
     assert sorted(p.name for p in last.iterdir()) == [
@@ -117,7 +83,7 @@ def test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbrok
     ]
     out = _copy(tp_at_3, tmp_path)
     nproc, settings = AFTER_TP[layout]
-    proc = train(out, text, nproc, *settings, "train.max_steps=6")
+    proc = gpt_train(out, gpt_text, nproc, *settings, "train.max_steps=6")
     assert f"resumed from {out / 'checkpoints' / 'last.dcp'}" in proc.stdout
     assert_close(weights(out), unbroken)
     newest = CheckpointDir(out).candidates()[0]
@@ -125,20 +91,20 @@ def test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbrok
 
 
 @pytest.fixture(scope="module")
-def pp_at_3(tmp_path_factory, text) -> Path:
+def pp_at_3(tmp_path_factory, gpt_text) -> Path:
     """2 pipeline stages (pp2), stopped at step 3 with a full checkpoint (.pt, stages merged)."""
     out = tmp_path_factory.mktemp("pp2") / "run"
-    train(out, text, 2, "dist.pp=2", "train.max_steps=3", dp=1)
+    gpt_train(out, gpt_text, 2, "dist.pp=2", "train.max_steps=3", dp=1)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_a_pp2_full_checkpoint_continues_under_ddp_and_on_one_process_to_the_unbroken_weights(
-    pp_at_3, unbroken, text, tmp_path, nproc
+    pp_at_3, unbroken, gpt_text, tmp_path, nproc
 ):
     out = _copy(pp_at_3, tmp_path)
-    proc = train(out, text, nproc, "train.max_steps=6")  # dist.strategy=auto: ddp on 2 processes
+    proc = gpt_train(out, gpt_text, nproc, "train.max_steps=6")  # dist.strategy=auto: ddp on 2 processes
     assert f"resumed from {out / 'checkpoints' / 'last.pt'}" in proc.stdout
     assert_close(weights(out), unbroken)
 
@@ -166,12 +132,12 @@ def test_a_metadata_file_that_would_run_code_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(text, tmp_path):
+def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(gpt_text, tmp_path):
     out = tmp_path / "run"
     args = [
         f"out_dir={out}",
-        f"data.root={text}",
-        *BASE,
+        f"data.root={gpt_text}",
+        *GPT_RUN,
         "train.batch_size=4",
         "train.epochs=50",  # long enough that the signal comes while it trains
         "dist.strategy=fsdp",
@@ -194,8 +160,8 @@ def test_sigterm_writes_a_sharded_checkpoint_exits_3_and_resumes_on_one_process(
     assert proc.returncode == 3, err[-3000:]
     state = load_checkpoint(out / "checkpoints" / "last.dcp", require=TRAIN_KEYS)
     assert state["step"] > 0 and state["consumed"] > 0
-    done = train(
-        out, text, 1, "train.epochs=50", f"train.max_steps={state['step'] + 2}"
+    done = gpt_train(
+        out, gpt_text, 1, "train.epochs=50", f"train.max_steps={state['step'] + 2}"
     )  # another layout and world size
     assert f"resumed from {out / 'checkpoints' / 'last.dcp'}" in done.stdout
     assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == state["step"] + 2

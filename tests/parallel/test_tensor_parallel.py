@@ -240,18 +240,7 @@ def test_prepare_layouts_on_two_ranks_equal_one_process(references):
 
 # ----------------------------------------------------------- `ddpkit train` on the built-in transformer, per layout
 
-TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # {chr(65 + i % 26)}\n" for i in range(80))
-GLOBAL = 8  # samples per optimizer step in every layout: train.batch_size x dp
-RUN = [
-    *GPT,
-    "data.dataset=text",
-    "model.dropout=0",
-    "optim.name=sgd",
-    "optim.lr=0.5",
-    "optim.ref_batch_size=8",  # lr 0.5 as it is: 6 steps move the weights well beyond the tolerance
-    "train.max_steps=6",
-    "report.curves=false",
-]
+GLOBAL = 8  # samples per optimizer step in every layout: train.batch_size x dp (conftest.GPT_GLOBAL_BATCH)
 # (name, extra settings, processes, data-parallel degree, {memory field: at most this fraction of one process's})
 # The docs' commands are these with the tiny model.
 LAYOUTS = [
@@ -266,40 +255,22 @@ LAYOUTS = [
 
 
 def _ddpkit_train(root, out, extra: list[str], nproc: int, dp: int):
-    """`ddpkit train` of RUN + extra on `nproc` processes: (full weights of last.pt, metrics rows)."""
-    import json
-
-    from conftest import run_cli
+    """`ddpkit train` of conftest.GPT_RUN + extra, 6 steps, on `nproc` processes: (full weights of last.pt,
+    metrics rows)."""
+    from conftest import gpt_train, metrics_rows
     from ddpkit.checkpoint import load_checkpoint
 
-    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    args = [*RUN, f"data.root={root}", f"train.batch_size={GLOBAL // dp}", f"out_dir={out}", *extra, *launch]
-    proc = run_cli("train", *args, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gpt_train(out, root, nproc, "train.max_steps=6", *extra, dp=dp)
     state = load_checkpoint(out / "checkpoints" / "last.pt", map_location="cpu")
-    return state["model"], rows
-
-
-@pytest.fixture(scope="module")
-def text_root(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text(TEXT)
-    return path
-
-
-@pytest.fixture(scope="module")
-def single_run(text_root, tmp_path_factory):
-    """The one-process run every layout is compared with (shared by the module)."""
-    return _ddpkit_train(text_root, tmp_path_factory.mktemp("single") / "run", [], 1, 1)
+    return state["model"], metrics_rows(out)
 
 
 @pytest.mark.parametrize("name, extra, nproc, dp, memory", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_ddpkit_train_layout_equals_one_process(
-    single_run, text_root, tmp_path, name, extra, nproc, dp, memory
+    gpt_reference, gpt_text, tmp_path, name, extra, nproc, dp, memory
 ):
-    weights, rows = _ddpkit_train(text_root, tmp_path / "run", extra, nproc, dp)
-    want_weights, want_rows = single_run
+    weights, rows = _ddpkit_train(gpt_text, tmp_path / "run", extra, nproc, dp)
+    want_weights, want_rows = gpt_reference  # one process, the same 6 steps (shared by the session)
     _assert_close(weights, want_weights)
     assert rows[-1]["step"] == 6 and rows[-1]["global_batch_size"] == GLOBAL
     for key in ("train_loss", "val_loss"):  # every sample counted once, whatever the layout
