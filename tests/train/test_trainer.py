@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,11 +76,16 @@ def test_world_size_and_accumulation_equivalence(tmp_path):
     assert rows[0]["train_loss"] == pytest.approx(rows[1]["train_loss"], rel=1e-4)
 
 
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory) -> tuple[Path, str]:
+    """One epoch of EXACT on one process (shared by the tests that read it): its out_dir and its stdout."""
+    run = tmp_path_factory.mktemp("one_epoch") / "run"
+    return run, train(run, *EXACT, "train.epochs=1", "train.log_every=10").stdout
+
+
 @pytest.mark.slow
-def test_exact_evaluation_on_1_to_4_processes(tmp_path):
-    run = tmp_path / "run"
-    train(run, *EXACT, "train.epochs=1")
-    ckpt = run / "checkpoints" / "best.pt"
+def test_exact_evaluation_on_1_to_4_processes(one_epoch):
+    run, ckpt = one_epoch[0], one_epoch[0] / "checkpoints" / "best.pt"
     results = []
     for n in (1, 2, 3, 4):
         launch = ["--nproc-per-node", str(n)] if n > 1 else []
@@ -134,9 +140,9 @@ def test_resume_after_kill_equals_unbroken_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_finished_run_is_not_repeated(tmp_path):
+def test_finished_run_is_not_repeated(one_epoch, tmp_path):
     run = tmp_path / "run"
-    train(run, *EXACT, "train.epochs=1")
+    shutil.copytree(one_epoch[0], run)  # the finished run, run again with the same settings
     before = (run / "metrics.jsonl").read_text()
     proc = train(run, *EXACT, "train.epochs=1")
     assert "nothing to train" in proc.stdout and "final val_acc1" in proc.stdout
@@ -165,9 +171,9 @@ def test_run_directory_contract(tmp_path):
     assert proc.stdout.count("final val_acc1") == 1
 
 
-def test_non_tty_progress_lines_look_like_the_tutorials(tmp_path):
-    proc = train(tmp_path / "run", *EXACT, "train.epochs=1", "train.log_every=10")
-    assert "== step: [10/44] [1/1] | loss: " in proc.stdout and "| acc: " in proc.stdout
+def test_non_tty_progress_lines_look_like_the_tutorials(one_epoch):
+    _, stdout = one_epoch  # train.log_every=10
+    assert "== step: [10/44] [1/1] | loss: " in stdout and "| acc: " in stdout
 
 
 def test_eval_errors(tmp_path):
@@ -181,14 +187,14 @@ def test_eval_errors(tmp_path):
     assert_user_error(run_cli("eval", f"checkpoint.path={empty}"), "unreadable")
 
 
-def test_eval_uses_the_checkpoints_model(tmp_path):
-    run = tmp_path / "run"
-    train(run, *EXACT, "train.epochs=1")
-    proc = run_cli("eval", f"checkpoint.path={run / 'checkpoints' / 'last.pt'}")
+def test_eval_uses_the_checkpoints_model(one_epoch):
+    proc = run_cli("eval", f"checkpoint.path={one_epoch[0] / 'checkpoints' / 'last.pt'}")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"val_loss", "val_acc1", "val_acc5", "val_samples"} <= set(result)
-    mismatch = run_cli("eval", f"checkpoint.path={run / 'checkpoints' / 'last.pt'}", "model.arch=cnn")
+    mismatch = run_cli(
+        "eval", f"checkpoint.path={one_epoch[0] / 'checkpoints' / 'last.pt'}", "model.arch=cnn"
+    )
     assert_user_error(mismatch, "does not fit")
 
 
