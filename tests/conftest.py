@@ -437,3 +437,18 @@ def gpt_reference(tmp_path_factory, gpt_text) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpt_reference") / "run"
     gpt_train(out, gpt_text, 1, "train.max_steps=6")
     return load_checkpoint(out / "checkpoints" / "last.pt", map_location="cpu")["model"], metrics_rows(out)
+
+
+# A finished 2-epoch run of the digits MLP: the earlier run in out_dir of the tests on resuming, refusing and
+# moving runs aside (tests/train/test_rundir.py, tests/test_hostile_inputs.py). Made once per session; every test
+# copies it and changes only its copy.
+
+QUICK_MLP = ["model.arch=mlp", "data.augment=false", "report.curves=false"]
+
+
+@pytest.fixture(scope="session")
+def finished_mlp(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished_mlp") / "run"
+    proc = run_cli("train", f"out_dir={out}", *QUICK_MLP, "train.epochs=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_env, run_cli
+from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.metrics import RunLog
 from ddpkit.rundir import check_out_dir
 
-QUICK = ["model.arch=mlp", "data.augment=false", "report.curves=false"]
+QUICK = QUICK_MLP
 ROW = {
     "epoch": 1,
     "step": 5,
@@ -63,11 +63,9 @@ def fake_run(root: Path, config: str = "seed: 0\n", lines: tuple[str, ...] = ())
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_cli("train", f"out_dir={out}", *QUICK, "train.epochs=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+def finished(finished_mlp) -> Path:
+    """A finished 2-epoch run of QUICK (the session's, conftest.finished_mlp); never changed, only copied."""
+    return finished_mlp
 
 
 @pytest.fixture(scope="module")

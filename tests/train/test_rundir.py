@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import QUICK_MLP, assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
@@ -26,7 +26,7 @@ from ddpkit.metrics import read_metrics
 from ddpkit.rundir import Plan, decide, inspect
 from ddpkit.runlock import LOCK_NAME, RunLock, check_free, job_id
 
-QUICK = ["model.arch=mlp", "data.augment=false", "report.curves=false"]
+QUICK = QUICK_MLP
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -35,12 +35,10 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A real 2-epoch run, copied by each test that needs an earlier run in its out_dir."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_cli("train", f"out_dir={out}", *QUICK, "train.epochs=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+def finished(finished_mlp) -> Path:
+    """A real 2-epoch run of QUICK (the session's, conftest.finished_mlp), copied by each test that needs an
+    earlier run in its out_dir."""
+    return finished_mlp
 
 
 def copy_of(finished: Path, tmp_path: Path) -> Path:
