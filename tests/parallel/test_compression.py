@@ -68,21 +68,41 @@ def _close(a: dict, b: dict, tol: float) -> bool:
     return all(torch.allclose(a[k], b[k], atol=tol, rtol=0) for k in a)
 
 
+# (name, _run's arguments): 12 steps each; the last is the powersgd run saved and loaded at step 6, past the
+# warm-up (error feedback in play)
+RUNS = [
+    ("none", ("none", 12)),
+    ("fp16", ("fp16", 12)),
+    ("bf16", ("bf16", 12)),
+    ("powersgd", ("powersgd", 12)),
+    ("powersgd_resumed", ("powersgd", 12, 6)),
+]
+
+
+def _runs(runs) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: _run(*args) for name, args in runs}
+
+
+@pytest.fixture(scope="module")
+def compressed():
+    """Each run of RUNS in turn, on one 2-process group (shared by the tests below): the weights by rank."""
+    return ddpkit.launch(_runs, RUNS, nprocs=2)
+
+
 @pytest.mark.slow
-def test_each_compression_trains_close_to_the_exact_all_reduce():
-    exact = ddpkit.launch(_run, "none", 12, nprocs=2)[0]
+def test_each_compression_trains_close_to_the_exact_all_reduce(compressed):
+    exact = compressed[0]["none"]
     for kind, tol in (("fp16", 1e-3), ("bf16", 1e-2)):
-        r0, r1 = ddpkit.launch(_run, kind, 12, nprocs=2)
+        r0, r1 = (ranks[kind] for ranks in compressed)
         assert _close(r0, r1, 0) and _close(r0, exact, tol) and not _close(r0, exact, 0), kind
-    r0, r1 = ddpkit.launch(_run, "powersgd", 12, nprocs=2)
+    r0, r1 = (ranks["powersgd"] for ranks in compressed)
     assert _close(r0, r1, 0)  # every replica applies the same (approximate) gradient
     assert not _close(r0, exact, 1e-4)  # rank 2 of a 64x32 gradient: really compressed
 
 
 @pytest.mark.slow
-def test_powersgd_state_survives_a_checkpoint_to_the_unbroken_weights():
-    unbroken = ddpkit.launch(_run, "powersgd", 10, nprocs=2)[0]
-    resumed = ddpkit.launch(_run, "powersgd", 10, 6, nprocs=2)[0]  # past the warm-up: error feedback in play
+def test_powersgd_state_survives_a_checkpoint_to_the_unbroken_weights(compressed):
+    unbroken, resumed = compressed[0]["powersgd"], compressed[0]["powersgd_resumed"]
     assert _close(unbroken, resumed, 0)
 
 
