@@ -147,11 +147,20 @@ def _train_with(strategy: str):
     return {k: v.clone() for k, v in torch.load(path, weights_only=True)["model"].items()}
 
 
+def _train_with_each(strategies: tuple[str, ...]):
+    return {s: _train_with(s) for s in strategies}
+
+
+@pytest.fixture(scope="module")
+def trained_with():
+    """Rank 0's weights after the same training under ddp, zero1 and fsdp, in turn on one 2-process group."""
+    return ddpkit.launch(_train_with_each, ("ddp", "zero1", "fsdp"), nprocs=2)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
-def test_sharded_strategies_rebuild_the_optimizer_and_train_like_ddp(strategy):
-    ddp = ddpkit.launch(_train_with, "ddp", nprocs=2)[0]
-    sharded = ddpkit.launch(_train_with, strategy, nprocs=2)[0]
+def test_sharded_strategies_rebuild_the_optimizer_and_train_like_ddp(trained_with, strategy):
+    ddp, sharded = trained_with["ddp"], trained_with[strategy]
     for k in ddp:
         assert torch.allclose(ddp[k], sharded[k], rtol=1e-5, atol=1e-6), (
             k,
