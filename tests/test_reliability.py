@@ -74,11 +74,9 @@ def test_sigkill_random_worker_then_elastic_restart_equals_unbroken(tmp_path, un
 
 
 @pytest.fixture(scope="module")
-def two_epochs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_epochs") / "run"
-    rc, _, err = finish(start(out, *EXACT[:2], "train.epochs=2"))
-    assert rc == 0, err
-    return out
+def two_epochs(finished_mlp):
+    """A finished 2-epoch run of EXACT[:2] (curves off): the session's, conftest.finished_mlp, copied by each test."""
+    return finished_mlp
 
 
 @pytest.mark.slow
