@@ -441,8 +441,7 @@ def gpt_reference(tmp_path_factory, gpt_text) -> tuple[dict, list[dict]]:
 
 # A finished 2-epoch run of the digits MLP: the earlier run in out_dir of the tests on resuming, refusing and
 # moving runs aside and on damaged checkpoints (tests/train/test_rundir.py, tests/test_hostile_inputs.py,
-# tests/test_reliability.py). Made once per session; every test
-# copies it and changes only its copy.
+# tests/test_reliability.py). Made once per session; every test copies it and changes only its copy.
 
 QUICK_MLP = ["model.arch=mlp", "data.augment=false", "report.curves=false"]
 
