@@ -62,6 +62,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     )
 
 
+def run_clis(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Several independent one-process `python -m ddpkit ARGS` commands, two at a time (a process starting up
+    keeps one core busy: a 2-core machine runs two in the time of one) -> their CompletedProcess, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda args: run_cli(*args, timeout=timeout), commands))
+
+
 def plain_torchrun(*args: str, cwd: Path, fresh: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`torchrun --standalone ARGS` (torch's own launcher, a reference for ddpkit's) in `cwd`; must succeed.
 

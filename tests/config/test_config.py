@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit.config
-from conftest import REPO, assert_user_error, run_cli
+from conftest import REPO, assert_user_error, run_cli, run_clis
 from ddpkit.config import Config, TrainConfig, describe_keys, load_config, to_yaml, valid_keys
 from ddpkit.errors import UserError
 
@@ -145,22 +145,26 @@ def test_shipped_recipes_load_and_say_what_their_files_say():
 
 
 def test_cli_config_errors_exit_2_and_write_nothing(tmp_path):
-    out = tmp_path / "existing"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    before = sorted(p.name for p in out.iterdir())
-    for args, frag in [
-        ([f"out_dir={out}", "train.batchsize=3"], "train.batch_size"),
-        ([f"out_dir={out}", "train.epochs=0"], "train.epochs"),
-        (["-c", str(tmp_path / "nope.yaml"), f"out_dir={out}"], "does not exist"),
-        ([f"out_dir={out}", "model.arch=resnet81"], "resnet18"),
-        ([f"out_dir={out}", "train.amp=fp8"], "train.amp"),
-        ([f"out_dir={out}", "dist.strategy=zero3"], "dist.strategy"),
-        ([f"out_dir={out}", "data.dataset=cifar10", f"data.root={tmp_path / 'nodata'}"], "data"),
-        ([f"out_dir={out}", f"checkpoint.resume={tmp_path / 'none.pt'}"], "checkpoint.resume"),
-    ]:
-        assert_user_error(run_cli("train", *args, timeout=120), frag)
-        assert sorted(p.name for p in out.iterdir()) == before
+    outs = [tmp_path / f"existing{i}" for i in range(8)]  # one each: the commands run two at a time
+    for out in outs:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    cases = [
+        (["train.batchsize=3"], "train.batch_size"),
+        (["train.epochs=0"], "train.epochs"),
+        (["-c", str(tmp_path / "nope.yaml")], "does not exist"),
+        (["model.arch=resnet81"], "resnet18"),
+        (["train.amp=fp8"], "train.amp"),
+        (["dist.strategy=zero3"], "dist.strategy"),
+        (["data.dataset=cifar10", f"data.root={tmp_path / 'nodata'}"], "data"),
+        ([f"checkpoint.resume={tmp_path / 'none.pt'}"], "checkpoint.resume"),
+    ]
+    procs = run_clis(
+        *(["train", *args, f"out_dir={out}"] for (args, _), out in zip(cases, outs, strict=True)), timeout=120
+    )
+    for proc, (_, frag), out in zip(procs, cases, outs, strict=True):
+        assert_user_error(proc, frag)
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
 def test_help_config_lists_keys():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_env, dist_context, plain, run_cli, run_group
+from conftest import REPO, assert_user_error, cli_env, dist_context, plain, run_cli, run_clis, run_group
 from ddpkit.config import Config, load_config
 from ddpkit.distributed.health import Heartbeat
 from ddpkit.metrics import METRIC_KEYS, read_metrics
@@ -177,14 +177,17 @@ def test_non_tty_progress_lines_look_like_the_tutorials(one_epoch):
 
 
 def test_eval_errors(tmp_path):
-    assert_user_error(run_cli("eval"), "checkpoint.path")
-    assert_user_error(run_cli("eval", f"checkpoint.path={tmp_path / 'missing.pt'}"), "does not exist")
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(b"not a checkpoint at all")
-    assert_user_error(run_cli("eval", f"checkpoint.path={bad}"), "unreadable")
-    empty = tmp_path / "empty.pt"
-    empty.write_bytes(b"")
-    assert_user_error(run_cli("eval", f"checkpoint.path={empty}"), "unreadable")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint at all")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    cases = {
+        "": "checkpoint.path",
+        "missing.pt": "does not exist",
+        "bad.pt": "unreadable",
+        "empty.pt": "unreadable",
+    }
+    procs = run_clis(*(["eval", f"checkpoint.path={tmp_path / n}"] if n else ["eval"] for n in cases))
+    for proc, fragment in zip(procs, cases.values(), strict=True):
+        assert_user_error(proc, fragment)
 
 
 def test_eval_uses_the_checkpoints_model(one_epoch):
