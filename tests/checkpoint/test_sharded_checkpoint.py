@@ -2,9 +2,10 @@
 under another to the unbroken run's weights.
 
 Time budget: about 180 s on a quiet 2-core machine (measured: 555 s while the machine ran other suites beside
-it): one single-process reference, a dp2×tp2 run on 4 processes whose sharded checkpoint is continued three
-ways, a pp2 run continued two ways, one fsdp run stopped by SIGTERM and resumed on one process, eval and a
-one-line refusal; the rest reads and writes folders in this process.
+it): the session's single-process reference (conftest.gpt_reference, shared with the tensor-parallel layouts),
+a dp2×tp2 run on 4 processes whose sharded checkpoint is continued three ways, a pp2 run continued two ways, one
+fsdp run stopped by SIGTERM and resumed on one process, eval and a one-line refusal; the rest reads and writes
+folders in this process.
 """
 
 from __future__ import annotations
