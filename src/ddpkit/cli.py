@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
-    from ddpkit.launcher.launch import add_launch_flags
+    from ddpkit.launcher.spec import add_launch_flags
 
     p = _Parser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
@@ -76,7 +76,7 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
         raise UserError(f"unknown command '{name}'", hint)
     command = COMMANDS[name]
     if command.mode != "group":
-        from ddpkit.launcher.launch import LAUNCH_FLAGS
+        from ddpkit.launcher.spec import LAUNCH_FLAGS
 
         given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
         if given:
@@ -138,13 +138,9 @@ def run(argv: Sequence[str]) -> int:
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
     from ddpkit.launcher import startup, warm_start
-    from ddpkit.launcher.launch import (
-        launch_elastic,
-        launch_spawn,
-        set_thread_env,
-        spec_from_args,
-        worker_argv,
-    )
+    from ddpkit.launcher.elastic import launch_elastic
+    from ddpkit.launcher.launch import launch_spawn, set_thread_env
+    from ddpkit.launcher.spec import spec_from_args, worker_argv
 
     spec = spec_from_args(args)
     if spec.starts_workers:
