@@ -80,33 +80,15 @@ def launch_elastic(
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     _launched()
     if meanwhile is not None:
         meanwhile()
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
-    backend, endpoint, run_id, configs = _rendezvous(spec)
-    use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
-    if spec.nnodes > 1:
-        from ddpkit.distributed.rendezvous import probe_launch
-
-        probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
     entrypoint, args, start_method = _worker_command(python_args, warm)
-    config = LaunchConfig(
-        min_nodes=spec.nnodes,
-        max_nodes=spec.nnodes,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_endpoint=hosted_endpoint(endpoint) if backend == "c10d" else endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=configs,
-        max_restarts=spec.max_restarts,
-        monitor_interval=0.1,
-        start_method=start_method,
-        signals_to_handle=signals.AGENT_SIGNALS,
-    )
+    config, endpoint = _agent_config(spec, nproc, start_method)
     watch(endpoint, spec.nnodes)  # names lost nodes; ends a launcher stuck on a store it lost
     quiet_agent_logs(debug=bool(os.environ.get(channels.DEBUG)))
     forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
@@ -129,6 +111,33 @@ def launch_elastic(
         if err is e:
             raise
         raise err from None
+
+
+def _agent_config(spec: LaunchSpec, nproc: int, start_method: str) -> tuple[Any, str]:
+    """torch's LaunchConfig for these flags and the rendezvous endpoint; the network interface toward it is
+    chosen and, with several nodes, the rendezvous is probed first (a one-line error in seconds)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    backend, endpoint, run_id, configs = _rendezvous(spec)
+    use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
+    if spec.nnodes > 1:
+        from ddpkit.distributed.rendezvous import probe_launch
+
+        probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_endpoint=hosted_endpoint(endpoint) if backend == "c10d" else endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=configs,
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method=start_method,
+        signals_to_handle=signals.AGENT_SIGNALS,
+    )
+    return config, endpoint
 
 
 def _rendezvous(spec: LaunchSpec) -> tuple[str, str, str, dict]:

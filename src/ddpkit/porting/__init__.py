@@ -176,15 +176,8 @@ def prepare(
         )
     if pp != 1:
         return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
-    if strategy != "auto":
-        try:
-            get_strategy(strategy, key="strategy")
-        except UserError as e:
-            raise UserError(f"ddpkit.prepare: {e.what}", e.hint) from None
+    models = _checked_models(objects, strategy)
     ctx = _context()
-    models = [o for o in objects if isinstance(o, nn.Module)]
-    if len(models) > 1:
-        raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     loader_roles = roles_for(objects, roles)
     layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
@@ -199,6 +192,19 @@ def prepare(
     _check_schedulers(objects, out, chosen)
     ready = [out.get(id(o), o) for o in objects]
     return ready[0] if len(ready) == 1 else ready
+
+
+def _checked_models(objects: Sequence[Any], strategy: str) -> list[nn.Module]:
+    """The model among `objects` (none or one), once `strategy` is known to be a strategy's name."""
+    if strategy != "auto":
+        try:
+            get_strategy(strategy, key="strategy")
+        except UserError as e:
+            raise UserError(f"ddpkit.prepare: {e.what}", e.hint) from None
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) > 1:
+        raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
+    return models
 
 
 def _prepared_model(
