@@ -142,7 +142,14 @@ def worker(args: argparse.Namespace) -> None:
     sampler = DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
     )
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=0)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch,
+        sampler=sampler,
+        num_workers=args.workers,
+        pin_memory=on_gpu,
+        persistent_workers=args.workers > 0,
+    )
     torch.manual_seed(SEED)
     net = torchvision.models.resnet18(num_classes=10).to(dev)
     model = DDP(net, device_ids=[dev.index] if on_gpu else None)
@@ -230,15 +237,19 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> float:
 
 
 def run_side(
-    side: str, steps: int, batch: int, nproc: int, echo: bool, device: str = "cpu"
+    side: str, steps: int, batch: int, nproc: int, echo: bool, device: str = "cpu", workers: int = 0
 ) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{side}-") as tmp:
         out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
         cmd = (
-            [*ddpkit_command(steps, batch, nproc, out), f"dist.device={device}"]
+            [
+                *ddpkit_command(steps, batch, nproc, out),
+                f"dist.device={device}",
+                f"data.num_workers={workers}",
+            ]
             if side == "ddpkit"
-            else [*plain_command(steps, batch, nproc, out), "--device", device]
+            else [*plain_command(steps, batch, nproc, out), "--device", device, "--workers", str(workers)]
         )
         b0, c0 = _busy_s(), _children_cpu_s()
         rc, wall, lines = run_streaming(cmd, env=env, echo=echo)
@@ -275,7 +286,7 @@ def report(
         f"Work: resnet18 (10 classes), synthetic 3x32x32, batch {args.batch} per process x {args.nproc} processes "
         f"({'nccl, one GPU each' if args.device == 'cuda' else 'gloo'}), "
         f"SGD, {args.steps} steps per epoch, 2 epochs; timed: epoch 2 ({args.steps} steps, "
-        f"{args.steps * args.batch * args.nproc} images). OMP_NUM_THREADS=1, num_workers 0, no augmentation.",
+        f"{args.steps * args.batch * args.nproc} images). OMP_NUM_THREADS=1, num_workers {args.workers}, no augmentation.",
         "",
     ]
     rows = []
@@ -340,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch", type=int, default=64, help="per process")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per process, both sides")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process, nccl")
     p.add_argument(
         "--wait-quiet",
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" (waited {waited:.0f} s for a quiet machine)" if waited > 2 else ""),
                 flush=True,
             )
-            r = run_side(side, args.steps, args.batch, args.nproc, args.echo, args.device)
+            r = run_side(side, args.steps, args.batch, args.nproc, args.echo, args.device, args.workers)
             r["rep"] = rep + 1
             load = "" if r["other_load_cores"] is None else f", other load {r['other_load_cores']:.2f} cores"
             print(
