@@ -95,7 +95,16 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     results = [info]
     t0 = time.perf_counter()
-    comm = [sys.executable, "-m", "ddpkit", "comm", "--nproc-per-node", "1", "--json", str(args.out / "comm.json")]
+    comm = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "comm",
+        "--nproc-per-node",
+        "1",
+        "--json",
+        str(args.out / "comm.json"),
+    ]
     p = subprocess.run(comm, capture_output=True, text=True, timeout=180)
     (args.out / "comm.log").write_text(p.stdout + p.stderr)
     results.append({"case": "comm_nccl", "rc": p.returncode, "wall_s": round(time.perf_counter() - t0, 1)})

@@ -126,7 +126,11 @@ def worker(args: argparse.Namespace) -> None:
     from ddpkit.config import load_config
     from ddpkit.data import build_datasets
 
-    dist.init_process_group("gloo")
+    on_gpu = args.device == "cuda"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # The same samples ddpkit trains on, generated into memory before training.
@@ -138,9 +142,17 @@ def worker(args: argparse.Namespace) -> None:
     sampler = DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
     )
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=0)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch,
+        sampler=sampler,
+        num_workers=args.workers,
+        pin_memory=on_gpu,
+        persistent_workers=args.workers > 0,
+    )
     torch.manual_seed(SEED)
-    model = DDP(torchvision.models.resnet18(num_classes=10))
+    net = torchvision.models.resnet18(num_classes=10).to(dev)
+    model = DDP(net, device_ids=[dev.index] if on_gpu else None)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
     )
@@ -151,8 +163,9 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         sampler.set_epoch(epoch)
         model.train()
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count: one all-reduce per epoch
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # loss sum, correct, count: one all-reduce
         for x, y in loader:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             logits = model(x)
             loss = criterion(logits, y)
             optimizer.zero_grad(set_to_none=True)
@@ -162,12 +175,12 @@ def worker(args: argparse.Namespace) -> None:
                 [
                     loss.detach().double() * y.shape[0],
                     (logits.argmax(1) == y).sum().double(),
-                    torch.tensor(float(y.shape[0]), dtype=torch.float64),
+                    torch.tensor(float(y.shape[0]), dtype=torch.float64, device=dev),
                 ]
             )
         dist.all_reduce(sums)
+        loss_sum, correct, count = sums.tolist()  # waits for the device
         elapsed = time.perf_counter() - t0
-        loss_sum, correct, count = sums.tolist()
         epochs.append(
             {
                 "epoch": epoch,
@@ -223,14 +236,20 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> float:
     return time.perf_counter() - t0
 
 
-def run_side(side: str, steps: int, batch: int, nproc: int, echo: bool) -> dict[str, Any]:
+def run_side(
+    side: str, steps: int, batch: int, nproc: int, echo: bool, device: str = "cpu", workers: int = 0
+) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{side}-") as tmp:
         out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
         cmd = (
-            ddpkit_command(steps, batch, nproc, out)
+            [
+                *ddpkit_command(steps, batch, nproc, out),
+                f"dist.device={device}",
+                f"data.num_workers={workers}",
+            ]
             if side == "ddpkit"
-            else plain_command(steps, batch, nproc, out)
+            else [*plain_command(steps, batch, nproc, out), "--device", device, "--workers", str(workers)]
         )
         b0, c0 = _busy_s(), _children_cpu_s()
         rc, wall, lines = run_streaming(cmd, env=env, echo=echo)
@@ -264,9 +283,10 @@ def report(
     lines = [
         f"Machine: {machine_line(m)}",
         f"Command: python benchmarks/throughput_vs_plain_ddp.py {' '.join(argv)}".rstrip(),
-        f"Work: resnet18 (10 classes), synthetic 3x32x32, batch {args.batch} per process x {args.nproc} processes (gloo), "
+        f"Work: resnet18 (10 classes), synthetic 3x32x32, batch {args.batch} per process x {args.nproc} processes "
+        f"({'nccl, one GPU each' if args.device == 'cuda' else 'gloo'}), "
         f"SGD, {args.steps} steps per epoch, 2 epochs; timed: epoch 2 ({args.steps} steps, "
-        f"{args.steps * args.batch * args.nproc} images). OMP_NUM_THREADS=1, num_workers 0, no augmentation.",
+        f"{args.steps * args.batch * args.nproc} images). OMP_NUM_THREADS=1, num_workers {args.workers}, no augmentation.",
         "",
     ]
     rows = []
@@ -331,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch", type=int, default=64, help="per process")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per process, both sides")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process, nccl")
     p.add_argument(
         "--wait-quiet",
         type=float,
@@ -362,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" (waited {waited:.0f} s for a quiet machine)" if waited > 2 else ""),
                 flush=True,
             )
-            r = run_side(side, args.steps, args.batch, args.nproc, args.echo)
+            r = run_side(side, args.steps, args.batch, args.nproc, args.echo, args.device, args.workers)
             r["rep"] = rep + 1
             load = "" if r["other_load_cores"] is None else f", other load {r['other_load_cores']:.2f} cores"
             print(

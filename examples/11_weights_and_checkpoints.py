@@ -28,6 +28,7 @@ def same_weights(model, state) -> bool:
 
 def main() -> None:
     parser = common.parser(__doc__, batch_size=32, epochs=2, lr=0.4)
+    ddpkit.seed_everything(0, deterministic=True)  # 4. repeats bit for bit on GPUs too (cuDNN, cuBLAS)
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the last one is trained, then resumed and trained again")

@@ -199,6 +199,31 @@ def write_cifar100(root, train: int = 12, test: int = 5) -> None:
     (d / "meta").write_bytes(pickle.dumps(meta))
 
 
+def write_imagefolder(root, classes=("ant", "bee", "cat"), per_class: int = 3, val_classes=None) -> None:
+    """root/train/CLASS/i.png and root/val/CLASS/i.png, 20x24 RGB, each image its own colour."""
+    from PIL import Image
+
+    for split, names in (("train", classes), ("val", val_classes or classes)):
+        for c, name in enumerate(names):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (20, 24), (40 * c, 10 * i, 200)).save(d / f"{i}.png")
+
+
+def data_cfg(dataset: str = "digits", root=None, **data):
+    """The default Config with data.dataset, data.root and other data.* keys set."""
+    from ddpkit.config import Config
+
+    cfg = Config()
+    cfg.data.dataset = dataset
+    if root is not None:
+        cfg.data.root = str(root)
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
 # The Trainer in-process (run_group).
 
 

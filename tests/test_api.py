@@ -1,10 +1,11 @@
-"""The public API (`import ddpkit`): what editors resolve, what is deprecated and how it warns. Budget: 15 s (imports torch, one process)."""
+"""The public API (`import ddpkit`): what editors resolve, what is deprecated and how it warns. Budget: 20 s (imports torch; one child process builds a model twice)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import os
 
 import pytest
 import torch
@@ -53,3 +54,32 @@ def test_seed_model_init_is_seed_everything_one_release_more():
         ddpkit.seed_model_init(7)
     assert torch.equal(torch.rand(3), want)
     assert "seed_model_init" not in ddpkit.__all__
+
+
+_DETERMINISTIC = """
+import os, torch, ddpkit
+from ddpkit.config import load_config
+from ddpkit.data import build_datasets
+from ddpkit.train.builders import make_model
+ctx = ddpkit.init_distributed()
+for value in ("false", "true"):
+    cfg = load_config(None, ["train.deterministic=" + value, "data.dataset=synthetic", "model.arch=mlp"])
+    make_model(cfg, ctx, build_datasets(cfg)[2])
+    print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+          torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+"""
+
+
+def test_train_deterministic_turns_on_deterministic_kernels_and_the_default_leaves_them_off():
+    """A resumed epoch repeats bit for bit on GPUs only with deterministic kernels (seen on an H200: cuDNN's
+    backward moved the weights' checksum by 1e-8); train.deterministic=true (through
+    seed_everything(seed, deterministic=True)) turns them on, the default leaves them off."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    out = subprocess.run(
+        [sys.executable, "-c", _DETERMINISTIC], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-2:] == ["False False False None", "True True False :4096:8"]

@@ -1,4 +1,8 @@
-"""Extension points from outside the package: a data set registered through an entry point trains with ddpkit train."""
+"""Extension points from outside the package: a data set registered through an entry point trains with ddpkit
+train; a model, a strategy and a compression method train on two processes; a launcher is detected; a command
+runs on two processes.
+
+Time budget: about 3 minutes on 2 cores (four launches of 2 processes, a few single processes)."""
 
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ EXTENSIONS = """
 import torch
 import torch.nn as nn
 
+from ddpkit.commands import Command
 from ddpkit.distributed.env import DistEnv, LauncherDetector
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod
@@ -131,6 +136,21 @@ def read_myl(env):
 
 
 LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE")
+
+
+def add_flags(parser):
+    parser.add_argument("--times", type=int, default=1)
+
+
+def count_command(cfg, args, ctx):
+    import torch.distributed as dist
+
+    total = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(total)
+    print(f"rank {ctx.rank}/{ctx.world_size}: sum {total.item() * args.times:g}", flush=True)
+
+
+COMMAND = Command("count", "sum the ranks, each plus one", "myext:count_command", config="dist")
 """
 
 ENTRY_POINTS = """[ddpkit.models]
@@ -144,6 +164,9 @@ half = myext:COMPRESSION
 
 [ddpkit.launchers]
 myl = myext:LAUNCHER
+
+[ddpkit.commands]
+count = myext:COMMAND
 """
 
 
@@ -205,3 +228,17 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     lines = outs[0][0].splitlines()
     assert len(lines) == 2 and all("launcher=myl" in ln and "world_size=2" in ln for ln in lines), lines
+
+
+@pytest.mark.slow
+def test_a_command_from_another_package_runs_on_two_processes(tmp_path):
+    install_extensions(tmp_path / "site")
+    env = {"PYTHONPATH": str(tmp_path / "site")}
+    listed = run_cli("--help", env=env)
+    assert listed.returncode == 0 and "count  sum the ranks, each plus one" in listed.stdout
+    proc = run_cli("count", "--times", "10", "dist.backend=gloo", "--nproc-per-node", "2", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank "))
+    assert lines == ["rank 0/2: sum 30", "rank 1/2: sum 30"]  # the package's flag and its collective
+    unknown = run_cli("count", "--times", "10")  # without the package: an unknown command, one line
+    assert unknown.returncode == 2 and "unknown command 'count'" in unknown.stderr

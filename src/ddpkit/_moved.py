@@ -52,6 +52,7 @@ MOVED: dict[str, str] = {
     "ddpkit.config_schema": "ddpkit.config.schema",
     "ddpkit.config_yaml": "ddpkit.config.safe_yaml",
     "ddpkit.bounded": "ddpkit.config.bounded",
+    "ddpkit.gpt": "ddpkit.models.gpt",
 }
 
 

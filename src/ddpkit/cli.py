@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpkit.commands import COMMANDS, Command
+from ddpkit.commands import Command, all_commands, get_command
 from ddpkit.errors import Failure, UserError
 
 
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
-    from ddpkit.launcher.launch import add_launch_flags
+    from ddpkit.launcher.spec import add_launch_flags
 
     p = _Parser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
@@ -53,8 +53,9 @@ def command_parser(command: Command) -> argparse.ArgumentParser:
 
 def top_usage() -> str:
     """`ddpkit --help`: every command with its one-line help."""
-    lines = ["usage: ddpkit {" + ",".join(COMMANDS) + "} ...", ""]
-    lines += [f"  {c.name:6s} {c.help}" for c in COMMANDS.values()]
+    commands = all_commands()
+    lines = ["usage: ddpkit {" + ",".join(commands) + "} ...", ""]
+    lines += [f"  {c.name:6s} {c.help}" for c in commands.values()]
     lines += [
         "",
         "`ddpkit CMD --help` lists a command's flags; `ddpkit train --help-config` lists the config keys.",
@@ -68,22 +69,23 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
         print(top_usage())
         raise SystemExit(0)
     name = argv[0]
-    if name not in COMMANDS:
+    command = get_command(name)
+    if command is None:
         import difflib
 
-        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "commands: " + ", ".join(COMMANDS)
+        names = list(all_commands())
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "commands: " + ", ".join(names)
         raise UserError(f"unknown command '{name}'", hint)
-    command = COMMANDS[name]
     if command.mode != "group":
-        from ddpkit.launcher.launch import LAUNCH_FLAGS
+        from ddpkit.launcher.spec import LAUNCH_FLAGS
 
         given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
         if given:
             raise UserError(
                 f"launch flags do not apply to `ddpkit {name}` ({given[0]})",
                 f"`ddpkit {name} --help` lists its flags; launch flags belong to "
-                + ", ".join(c.name for c in COMMANDS.values() if c.takes_launch_flags),
+                + ", ".join(c.name for c in all_commands().values() if c.takes_launch_flags),
             )
     return command, command_parser(command).parse_intermixed_args(list(argv[1:]))
 
@@ -122,8 +124,9 @@ def preflight(command: Command, cfg, env) -> None:
 def run(argv: Sequence[str]) -> int:
     """Run one ddpkit command line in this process (starting workers if the launch flags ask for them)."""
     argv = list(argv)
-    if argv and argv[0] in COMMANDS and COMMANDS[argv[0]].mode == "script":
-        return int(COMMANDS[argv[0]].function(argv[1:]) or 0)
+    script = get_command(argv[0]) if argv and not argv[0].startswith("-") else None
+    if script is not None and script.mode == "script":
+        return int(script.function(argv[1:]) or 0)
     command, args = parse(argv)
     if getattr(args, "help_config", False):
         from ddpkit.config import describe_keys
@@ -138,13 +141,9 @@ def run(argv: Sequence[str]) -> int:
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
     from ddpkit.launcher import startup, warm_start
-    from ddpkit.launcher.launch import (
-        launch_elastic,
-        launch_spawn,
-        set_thread_env,
-        spec_from_args,
-        worker_argv,
-    )
+    from ddpkit.launcher.elastic import launch_elastic
+    from ddpkit.launcher.launch import launch_spawn, set_thread_env
+    from ddpkit.launcher.spec import spec_from_args, worker_argv
 
     spec = spec_from_args(args)
     if spec.starts_workers:

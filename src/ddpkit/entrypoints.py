@@ -1,5 +1,5 @@
 """One way to read an extension from an installed package: every registry (data sets, models, strategies,
-compression methods, launcher detectors) loads its entry points through `entry_object`."""
+compression methods, launcher detectors, commands) loads its entry points through `entry_object`."""
 
 from __future__ import annotations
 

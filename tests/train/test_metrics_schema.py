@@ -28,6 +28,18 @@ def test_each_field_is_declared_once_with_a_meaning():
     assert {"val_ppl", "train_tokens_per_s", "param_bytes_per_rank", "resumed_after"} <= set(names)
 
 
+def test_the_schema_reads_each_field_the_trainer_does_not_get_elsewhere():
+    # adding a metric is one Field with its value; only the task's train_*, the evaluation's val_* and the run's
+    # first-line fields come from the trainer's own parts
+    own = {f.name for f in metrics_schema.FIELDS if f.value is None}
+    elsewhere = {
+        f.name for f in metrics_schema.FIELDS if f.name.startswith(("train_", "val_")) or f.lines != "every"
+    }
+    assert own == elsewhere
+    trainer_py = (REPO / "src" / "ddpkit" / "train" / "trainer.py").read_text()
+    assert "measured(EpochEnd(" in trainer_py and "make_row(" in trainer_py
+
+
 def test_make_row_orders_the_fields_and_refuses_undeclared_or_missing_ones():
     every = dict.fromkeys(metrics_schema.EVERY_LINE)
     row = metrics_schema.make_row(**{"startup_s": 1.5, **dict(reversed(every.items()))})

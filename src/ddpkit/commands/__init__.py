@@ -1,4 +1,5 @@
-"""The command registry: one small `Command` per `ddpkit CMD`; adding a command is one module and one entry here.
+"""The command registry: one small `Command` per `ddpkit CMD`; adding a command is one module and one entry here,
+or, from another package, `register_command` or an entry point in the `ddpkit.commands` group.
 
 A command's module (named by `entry`) may also define `add_flags(parser)` (its own flags) and `preflight(cfg)`
 (checks that run before any worker starts or any file is written).
@@ -103,3 +104,41 @@ COMMANDS: dict[str, Command] = {
         ),
     )
 }
+
+ENTRY_POINT_GROUP = "ddpkit.commands"
+
+
+def register_command(command: Command, *, replace: bool = False) -> Command:
+    """Make `ddpkit NAME` run `command`. Refuses a second command of the same name unless replace=True."""
+    same = COMMANDS.get(command.name)
+    if same is not None and not replace and same is not command:
+        raise ValueError(f"command '{command.name}' is already registered")
+    COMMANDS[command.name] = command
+    return command
+
+
+def _entry_points(name: str | None = None) -> list[Command]:
+    """The commands installed packages declare (entry point group ddpkit.commands; `name`: only that one)."""
+    from importlib.metadata import entry_points
+
+    from ddpkit.entrypoints import entry_object
+
+    found = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if name is None or ep.name == name:
+            command = entry_object(ep, Command, f"command '{ep.name}'", "ddpkit.commands.Command")
+            found.append(register_command(command, replace=True))
+    return found
+
+
+def get_command(name: str) -> Command | None:
+    """The command `ddpkit NAME` runs (the built-ins first; an installed package's asked only then), or None."""
+    if name in COMMANDS:
+        return COMMANDS[name]
+    return next(iter(_entry_points(name)), None)
+
+
+def all_commands() -> dict[str, Command]:
+    """Every command: the built-ins and those installed packages declare (for `ddpkit --help` and hints)."""
+    _entry_points()
+    return dict(COMMANDS)

@@ -30,7 +30,7 @@ USAGE = (
 
 def _parser() -> argparse.ArgumentParser:
     from ddpkit.cli import _Parser
-    from ddpkit.launcher.launch import add_launch_flags
+    from ddpkit.launcher.spec import add_launch_flags
 
     p = _Parser(
         prog="ddpkit run",
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
     from ddpkit.distributed.torchrun_compat import NO_VALUE
-    from ddpkit.launcher.launch import LAUNCH_FLAGS
+    from ddpkit.launcher.spec import LAUNCH_FLAGS
 
     flags = LAUNCH_FLAGS | local_rank.FLAGS
     argv = list(argv)
@@ -103,7 +103,9 @@ def _exec(target: list[str]) -> None:
 
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
-    from ddpkit.launcher.launch import launch_elastic, launch_spawn, spec_from_args
+    from ddpkit.launcher.elastic import launch_elastic
+    from ddpkit.launcher.launch import launch_spawn
+    from ddpkit.launcher.spec import spec_from_args
     from ddpkit.launcher.usermain import run_spawned
 
     flags, target = split(argv)

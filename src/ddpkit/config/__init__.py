@@ -112,6 +112,11 @@ class TrainConfig:
         "none", "autocast dtype of the forward pass; fp16 adds a gradient scaler"
     )
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss", ge=0, lt=1)
+    deterministic: bool = opt(
+        False,
+        "deterministic kernels (cuDNN, cuBLAS, torch.use_deterministic_algorithms): a run and a resumed run repeat "
+        "bit for bit on GPUs too (on CPUs they do anyway); slower on GPUs",
+    )
     clip_grad_norm: float | None = opt(
         None, "clip the gradient norm to this before each optimizer step; null: no clipping", gt=0
     )

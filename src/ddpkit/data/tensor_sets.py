@@ -23,6 +23,20 @@ def random_shift(x: torch.Tensor, pad: int, flip: bool = False) -> torch.Tensor:
     return out
 
 
+def batch_shift(x: torch.Tensor, pad: int, flip: bool = False) -> torch.Tensor:
+    """random_shift of every image of a batch (N x C x H x W), each its own offset and flip, drawn from the
+    same random stream in the same order as N calls of random_shift (so both give the same images)."""
+    n, h, w = len(x), x.shape[-2], x.shape[-1]
+    r = torch.randint(0, 2 * pad + 1, (n, 3))
+    padded = F.pad(x, (pad, pad, pad, pad))
+    rows = (r[:, 0, None] + torch.arange(h))[:, :, None]  # N x H x 1: the window's rows in `padded`
+    cols = (r[:, 1, None] + torch.arange(w))[:, None, :]  # N x 1 x W
+    out = padded[torch.arange(n)[:, None, None], :, rows, cols].permute(0, 3, 1, 2)  # N x C x H x W
+    if flip:
+        out = torch.where((r[:, 2] % 2 == 1)[:, None, None, None], out.flip(-1), out)
+    return out.contiguous()
+
+
 class TensorImageDataset(Dataset):
     """In-memory images (N x C x H x W, float in [0, 1]) with labels: optional shift/flip, resize, normalise."""
 
@@ -54,6 +68,19 @@ class TensorImageDataset(Dataset):
         if self.size and self.size != x.shape[-1]:
             x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", align_corners=False)[0]
         return (x - self.mean) / self.std, int(self.labels[index])
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        """A whole batch at once (the DataLoader's batched fetch): the same transforms as __getitem__ on a
+        tensor of samples, a few operations per batch instead of per sample."""
+        x = self.images[indices]
+        if self.shift:
+            x = batch_shift(x, self.shift, self.flip)
+        elif self.flip:
+            x = torch.where((torch.rand(len(x)) < 0.5)[:, None, None, None], x.flip(-1), x)
+        if self.size and self.size != x.shape[-1]:
+            x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
+        x = (x - self.mean) / self.std
+        return list(zip(x.unbind(0), self.labels[indices].tolist(), strict=True))
 
 
 class SyntheticImages(Dataset):

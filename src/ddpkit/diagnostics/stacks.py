@@ -170,6 +170,24 @@ def _names(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks))
 
 
+def sweep_stale_jobs(tmp: str | None = None) -> list[Path]:
+    """Remove the job folders of launchers that are gone (a launcher ended by SIGKILL cannot remove its own):
+    only this user's, only where no process with the launcher's pid (in the folder's name) runs. Returns them."""
+    gone = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{JOB_PREFIX}*-*"):
+        pid = path.name[len(JOB_PREFIX) :].split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            if (
+                pid.isdigit()
+                and path.is_dir()
+                and path.stat().st_uid == os.getuid()
+                and not running(int(pid))
+            ):
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(path)
+    return gone
+
+
 class Watch:
     """The launcher's side while its workers run (a context manager around the wait): the job folder in the
     workers' environment, the straggler watch thread, SIGUSR2 -> every rank's stack. `errors`: the distinct
@@ -177,6 +195,7 @@ class Watch:
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, action: str = "report", say: Callable = print):
         self.timeout_s, self.action, self._say = timeout_s, action, say
+        sweep_stale_jobs()
         self.job = Path(tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-"))
         self.errors: list[str] = []
         self.stopped: list[int] = []

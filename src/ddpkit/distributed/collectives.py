@@ -248,11 +248,21 @@ def derive_seed(seed: int, *parts: int) -> int:
     return zlib.crc32(data) & 0x7FFFFFFF
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and CUDA) with exactly `seed`."""
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) with exactly `seed`.
+
+    deterministic: also make the kernels deterministic (torch.use_deterministic_algorithms, cuDNN without
+    autotuning, cuBLAS's fixed workspace), so that a run or a resumed epoch repeats bit for bit on a GPU too
+    (on the CPU it does already). Slower on GPUs; an operation without a deterministic kernel then raises.
+    """
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's first use
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 def seed_model_init(seed: int) -> None:

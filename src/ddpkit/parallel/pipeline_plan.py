@@ -64,7 +64,7 @@ def resnet_splits(n_stages: int) -> list[str]:
 def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
     """Refuse, with one line, a pipeline setting that cannot work (called before workers start; the world size
     is checked when it is known)."""
-    d, train = cfg.dist, cfg.train
+    d = cfg.dist
     if d.pp == 1:
         return
     if world_size is not None and world_size % (d.pp * d.tp):
@@ -72,7 +72,17 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
             f"{world_size} process(es) cannot hold dist.pp={d.pp} x dist.tp={d.tp}",
             f"start a multiple of {d.pp * d.tp} processes",
         )
-    refusals = [
+    for bad, what, hint in _refusals(cfg):
+        if bad:
+            raise UserError(f"{what} cannot run with dist.pp={d.pp}", hint)
+    _check_microbatching(cfg)
+    _check_split(cfg, d.pp * stages_per_rank(d.pp_schedule))
+
+
+def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
+    """(set, the setting, what to do instead) of every setting a pipeline cannot run with."""
+    d, train, model = cfg.dist, cfg.train, cfg.model
+    return [
         (
             train.amp == "fp16",
             "train.amp=fp16",
@@ -99,24 +109,22 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
             "offload applies to fsdp and zero2, not to pipelines",
         ),
         (
-            cfg.model.sync_bn,
+            model.sync_bn,
             "model.sync_bn=true",
             "drop it: the stages hold different BatchNorm layers, there is nothing to synchronise across them",
         ),
-        (
-            cfg.model.compile,
-            "model.compile=true",
-            "drop it: stages run eagerly under the pipeline schedules",
-        ),
+        (model.compile, "model.compile=true", "drop it: stages run eagerly under the pipeline schedules"),
     ]
-    for bad, what, hint in refusals:
-        if bad:
-            raise UserError(f"{what} cannot run with dist.pp={d.pp}", hint)
+
+
+def _check_microbatching(cfg: Any) -> None:
+    """The batch cuts into the micro-batches, and an interleaved schedule gets whole rounds of them."""
+    d, batch_size = cfg.dist, cfg.train.batch_size
     micro = n_microbatches(d.pp, d.pp_microbatches)
     check_microbatches(micro, d.pp, "dist.pp_microbatches", "dist.pp")
-    if train.batch_size % micro:
+    if batch_size % micro:
         raise UserError(
-            f"train.batch_size={train.batch_size} cannot be cut into dist.pp_microbatches={micro} equal parts",
+            f"train.batch_size={batch_size} cannot be cut into dist.pp_microbatches={micro} equal parts",
             f"use a train.batch_size that is a multiple of {micro}",
         )
     if d.pp_schedule == "interleaved_1f1b" and micro % d.pp:
@@ -125,7 +133,10 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
             f"got {micro}",
             f"use dist.pp_microbatches={2 * d.pp}",
         )
-    n_stages = d.pp * stages_per_rank(d.pp_schedule)
+
+
+def _check_split(cfg: Any, n_stages: int) -> None:
+    """The model has a built-in cut into `n_stages` stages."""
     if cfg.model.arch == "gpt":
         block_ranges(cfg.model.n_layer, n_stages)
     elif cfg.model.arch.startswith("resnet"):

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit.errors import UserError, first_line
-from ddpkit.gpt import GPT
+from ddpkit.models.gpt import GPT
 from ddpkit.parallel.pipeline_plan import block_ranges
 
 

@@ -176,51 +176,87 @@ def prepare(
         )
     if pp != 1:
         return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
+    models = _checked_models(objects, strategy)
+    ctx = _context()
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    loader_roles = roles_for(objects, roles)
+    layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
+    chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
+    out = _prepared_model(models[0] if models else None, optimizers, chosen, ctx, sync_bn, mesh, tp_plan)
+    model_out = out.get(id(models[0]), models[0]) if models else None
+    if model_out is not None:
+        remember_model(model_out)
+    out.update(
+        _prepared_loaders(objects, loader_roles, layout.coords(ctx.rank)["dp"], layout.dp, seed, model_out)
+    )
+    _check_schedulers(objects, out, chosen)
+    ready = [out.get(id(o), o) for o in objects]
+    return ready[0] if len(ready) == 1 else ready
+
+
+def _checked_models(objects: Sequence[Any], strategy: str) -> list[nn.Module]:
+    """The model among `objects` (none or one), once `strategy` is known to be a strategy's name."""
     if strategy != "auto":
         try:
             get_strategy(strategy, key="strategy")
         except UserError as e:
             raise UserError(f"ddpkit.prepare: {e.what}", e.hint) from None
-    ctx = _context()
     models = [o for o in objects if isinstance(o, nn.Module)]
     if len(models) > 1:
         raise UserError("ddpkit.prepare takes one model", "prepare each model in its own call")
-    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    loader_roles = roles_for(objects, roles)
-    layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
-    chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
+    return models
+
+
+def _prepared_model(
+    model: nn.Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    chosen: Strategy,
+    ctx: DistContext,
+    sync_bn: bool,
+    mesh: Any,
+    tp_plan: dict | None,
+) -> dict[int, Any]:
+    """{id(given object): what replaces it} for the model and the optimizers the strategy re-makes: the model on
+    this rank's device, synchronised BatchNorm, split over the tensor-parallel mesh, wrapped for the strategy. A
+    model prepared already stays as it is, and so do its optimizers."""
     out: dict[int, Any] = {}
-    if models and not _wrapped(models[0]):  # one prepared already stays as it is, and so does its optimizer
-        model = models[0].to(ctx.device)
+    if model is not None and not _wrapped(model):
+        moved = model.to(ctx.device)
         if sync_bn and ctx.world_size > 1:
-            model = _sync_bn(model, ctx.device)
-        before = list(model.parameters())
+            moved = _sync_bn(moved, ctx.device)
+        before = list(moved.parameters())
         if mesh is not None:
             from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(model, mesh["tp"], tp_plan)
-        out[id(models[0])] = chosen.wrap(model)
+            apply_tensor_parallel(moved, mesh["tp"], tp_plan)
+        out[id(model)] = chosen.wrap(moved)
         for opt in optimizers:
             if chosen.entry.remakes_optimizer or mesh is not None:
-                out[id(opt)] = _rebuilt_optimizer(chosen, model, before, opt)
-    elif not models and optimizers and chosen.entry.remakes_optimizer:
+                out[id(opt)] = _rebuilt_optimizer(chosen, moved, before, opt)
+    elif model is None and optimizers and chosen.entry.remakes_optimizer:
         raise UserError(
             f"ddpkit.prepare(strategy='{chosen.name}') needs the model too", "pass model and optimizer"
         )
-    model_out = out.get(id(models[0]), models[0]) if models else None
-    if model_out is not None:
-        remember_model(model_out)
+    return out
+
+
+def _prepared_loaders(
+    objects: Sequence[Any], roles: list[str], dp_rank: int, dp_size: int, seed: int, model: nn.Module | None
+) -> dict[int, Any]:
+    """{id(loader): its distributed loader} for each DataLoader, sharded over the data-parallel ranks."""
+    loaders = [o for o in objects if isinstance(o, DataLoader | DistributedLoader)]
+    return {
+        id(obj): prepare_loader(obj, role, seed=seed, rank=dp_rank, world_size=dp_size, model=model)
+        for obj, role in zip(loaders, roles, strict=True)
+    }
+
+
+def _check_schedulers(objects: Sequence[Any], out: dict[int, Any], chosen: Strategy) -> None:
+    """An LR scheduler made over an optimizer that prepare() re-made would drive the old one: refused."""
     for obj in objects:
-        if isinstance(obj, DataLoader | DistributedLoader):
-            dp_rank = layout.coords(ctx.rank)["dp"]
-            out[id(obj)] = prepare_loader(
-                obj, loader_roles.pop(0), seed=seed, rank=dp_rank, world_size=layout.dp, model=model_out
-            )
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(obj.optimizer) in out:
             raise UserError(
                 f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "
                 "would drive the old one",
                 "create the LR scheduler after prepare(), from the optimizer it returns",
             )
-    ready = [out.get(id(o), o) for o in objects]
-    return ready[0] if len(ready) == 1 else ready

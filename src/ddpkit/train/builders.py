@@ -46,7 +46,7 @@ def make_model(
     """
     if for_eval and cfg.model.pretrained:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
-    seed_everything(cfg.seed)  # the same on every rank: identical initial weights
+    seed_everything(cfg.seed, cfg.train.deterministic)  # the same on every rank: identical initial weights
     num_classes = cfg.model.num_classes or spec.num_classes
     model = models.build_model(
         cfg,

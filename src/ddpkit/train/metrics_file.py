@@ -1,15 +1,17 @@
 """metrics.jsonl without torch: its schema, and reading the epoch lines ddpkit wrote.
 
-The schema declares every field of a metrics line once (name, type, which lines hold it, meaning): the trainer
-builds each line through `make_row` (which refuses an undeclared field or a missing one), `ddpkit report` and
-`ddpkit bench` read their numbers by these names, and docs/run-dir.md's table is `doc_table()` (a test checks
-that the two agree). Adding a metric is one `Field` here plus the code that measures it. Reading keeps the epoch
+The schema declares every field of a metrics line once (name, type, which lines hold it, meaning, and how the
+trainer reads its value when an epoch ends): the trainer builds each line through `make_row` (which refuses an
+undeclared field or a missing one) from `measured(EpochEnd(...))`, `ddpkit report` and `ddpkit bench` read their
+numbers by these names, and docs/run-dir.md's table is `doc_table()` (a test checks that the two agree). Adding
+a metric is one `Field` here, its `value` reading it from the trainer at the epoch's end. Reading keeps the epoch
 lines and skips and counts every other line (foreign text, a damaged or torn line, one nested too deeply, an
 epoch that is not a number), never fatal."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,20 +30,47 @@ class Field:
     kind: type
     meaning: str
     lines: Lines = "every"
+    # its value at the end of an epoch, read from an EpochEnd; None: the task gives it (train_*), the evaluation
+    # (val_*), or the run's first line (start-up, device and memory: measured once, train/trainer.py)
+    value: Callable[[EpochEnd], Any] | None = None
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """What there is to read when an epoch ends: the Trainer (its state, context, optimizer, data sets, log), the
+    epoch, and the epoch's own seconds."""
+
+    trainer: Any
+    epoch: int
+    elapsed: float
+
+
+def _skipped_samples(end: EpochEnd) -> int:
+    """Collective: every rank reads it."""
+    from ddpkit.data import skipped_in_epoch
+
+    t = end.trainer
+    return skipped_in_epoch(t.train_set, t.val_set, end.epoch, t.log.info)
 
 
 _F, _I, _S = float, int, str
 FIRST = "first line only: "
 FIELDS: tuple[Field, ...] = (
-    Field("epoch", _I, "the epoch (1-based)"),
-    Field("step", _I, "optimizer steps taken when the epoch ended"),
-    Field("world_size", _I, "ranks in the run"),
+    Field("epoch", _I, "the epoch (1-based)", value=lambda e: e.epoch),
+    Field("step", _I, "optimizer steps taken when the epoch ended", value=lambda e: e.trainer.state.step),
+    Field("world_size", _I, "ranks in the run", value=lambda e: e.trainer.ctx.world_size),
     Field(
         "global_batch_size",
         _I,
         "samples per optimizer step over all ranks: `train.batch_size x world_size x train.grad_accum_steps`",
+        value=lambda e: e.trainer.global_batch,
     ),
-    Field("lr", _F, "the learning rate at the end of the epoch (what the next optimizer step would use)"),
+    Field(
+        "lr",
+        _F,
+        "the learning rate at the end of the epoch (what the next optimizer step would use)",
+        value=lambda e: e.trainer.optimizer.param_groups[0]["lr"],
+    ),
     Field(
         "train_loss",
         _F,
@@ -83,6 +112,7 @@ FIELDS: tuple[Field, ...] = (
         "epoch_time_s",
         _F,
         "seconds of the epoch: training and evaluation (after a resume: the resumed part)",
+        value=lambda e: round(e.elapsed, 4),
     ),
     Field(
         "train_images_per_s",
@@ -100,6 +130,7 @@ FIELDS: tuple[Field, ...] = (
         _I,
         "undecodable training and validation samples left out in the epoch, all ranks (`data.skip_corrupt=true`; "
         "log.txt names their files); always 0 otherwise, since an undecodable sample then stops the run",
+        value=_skipped_samples,
     ),
     Field(
         "startup_s",
@@ -187,6 +218,11 @@ FIELDS: tuple[Field, ...] = (
 BY_NAME = {f.name: f for f in FIELDS}
 EVERY_LINE = tuple(f.name for f in FIELDS if f.lines == "every")
 NUMERIC = tuple(f.name for f in FIELDS if f.kind in (int, float))
+
+
+def measured(end: EpochEnd) -> dict[str, Any]:
+    """{name: value} of every field the schema reads itself at the end of an epoch (in schema order)."""
+    return {f.name: f.value(end) for f in FIELDS if f.value is not None}
 
 
 def make_row(**values: Any) -> dict[str, Any]:

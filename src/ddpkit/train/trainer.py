@@ -44,7 +44,7 @@ from ddpkit.train.builders import (
 from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.memory import MemoryProbe
 from ddpkit.train.metrics import RunLog, read_metrics
-from ddpkit.train.metrics_file import make_row
+from ddpkit.train.metrics_file import EpochEnd, make_row, measured
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
 from ddpkit.train.tasks import Task, evaluate, task_for
@@ -382,15 +382,9 @@ class Trainer:
         loss, acc1, units = train
         units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
         return make_row(
-            epoch=epoch,
-            step=self.state.step,
-            world_size=self.ctx.world_size,
-            global_batch_size=self.global_batch,
-            lr=self.optimizer.param_groups[0]["lr"],
+            **measured(EpochEnd(self, epoch, elapsed)),
             **self.task.train_fields(loss, acc1, units, elapsed),
             **val,
-            epoch_time_s=round(elapsed, 4),
-            skipped_samples=data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
             **self._first_line_only(),
         )
 

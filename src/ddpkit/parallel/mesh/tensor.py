@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM style) with torch.distributed.tensor.parallel, and the full state of a model
 whose parameters are DTensors.
 
-The plan for the built-in GPT (ddpkit.gpt.GPT): in every block wq, wk, wv and mlp.fc are column-parallel (each
+The plan for the built-in GPT (ddpkit.models.gpt.GPT): in every block wq, wk, wv and mlp.fc are column-parallel (each
 rank computes n_head / tp heads, a quarter of the MLP's width on 4 ranks), attn.wo and mlp.proj row-parallel
 (their partial sums reduced); with sequence parallelism the LayerNorms and the residual stream between the
 blocks hold 1/tp of the sequence each (all-gather in, reduce-scatter out, instead of all-reduces), the embeddings
@@ -19,7 +19,7 @@ from ddpkit.errors import UserError
 
 
 def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
-    """The parallelize_module plan of a ddpkit.gpt.GPT (a pipeline stage's blocks and parts too)."""
+    """The parallelize_module plan of a ddpkit.models.gpt.GPT (a pipeline stage's blocks and parts too)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -65,8 +65,8 @@ def check_gpt_split(model: nn.Module, tp: int) -> None:
 
 
 def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
-    """The built-in plan of `model` (ddpkit.gpt.GPT); a UserError for a model without one."""
-    from ddpkit.gpt import GPT
+    """The built-in plan of `model` (ddpkit.models.gpt.GPT); a UserError for a model without one."""
+    from ddpkit.models.gpt import GPT
 
     if not isinstance(model, GPT):
         raise UserError(

@@ -1,4 +1,5 @@
-"""The built-in GPT-2-style decoder (`model.arch=gpt`), written so that every parallel layout can cut it.
+"""The built-in GPT-2-style decoder (`model.arch=gpt`, its family at the end), written so that every parallel
+layout can cut it.
 
 Shaped for tensor and pipeline parallelism:
 - attention has separate `wq`, `wk`, `wv` (column-parallel) and `wo` (row-parallel) projections, and counts its
@@ -13,10 +14,14 @@ Shaped for tensor and pipeline parallelism:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ddpkit.errors import UserError
+from ddpkit.models.family import ModelFamily
 
 
 class CausalSelfAttention(nn.Module):
@@ -120,3 +125,18 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position of the batch."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
+    return GPT(vocab_size, block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
+
+
+def _no_images(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    raise UserError(
+        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text"
+    )
+
+
+FAMILY = ModelFamily(
+    "gpt", owns=lambda arch: arch == "gpt", build=_no_images, names=lambda: ["gpt"], build_lm=_build_gpt
+)

@@ -1,0 +1,189 @@
+"""Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py,
+torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data, building the
+model with its pretrained weights (weights.py), device preparation.
+
+torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ddpkit.config import Config
+from ddpkit.entrypoints import entry_object
+from ddpkit.errors import UserError
+from ddpkit.models import gpt, small, timm_models, torchvision_models
+from ddpkit.models.family import ModelFamily
+from ddpkit.models.small import BUILTIN, SmallCNN, build_mlp
+from ddpkit.models.timm_models import TIMM_PREFIX
+from ddpkit.models.torchvision_models import torchvision_names
+from ddpkit.models.weights import (
+    STRIP_PREFIXES,
+    check_weights_path,
+    load_matching,
+    log,
+    read_weights,
+    strip_prefixes,
+)
+from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
+
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
+    "MODEL_FAMILIES",
+    "STRIP_PREFIXES",
+    "TIMM_PREFIX",
+    "ModelFamily",
+    "SmallCNN",
+    "build_mlp",
+    "build_model",
+    "check_arch",
+    "load_matching",
+    "model_family",
+    "prepare_model",
+    "read_weights",
+    "register_model",
+    "strip_prefixes",
+    "torchvision_names",
+]
+
+ENTRY_POINT_GROUP = "ddpkit.models"
+
+# Adding a model family is one entry (register_model); they are asked in this order (the cheap ones first).
+MODEL_FAMILIES: list[ModelFamily] = [small.FAMILY, gpt.FAMILY, timm_models.FAMILY, torchvision_models.FAMILY]
+
+
+def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Make the names `family` owns valid model.arch values; asked before the built-in families so a family of
+    your own can own any name. Refuses a second family of the same name unless replace=True."""
+    same = [f for f in MODEL_FAMILIES if f.name == family.name]
+    if same and not replace and same[0] is not family:
+        raise ValueError(f"model family '{family.name}' is already registered")
+    for f in same:
+        MODEL_FAMILIES.remove(f)
+    MODEL_FAMILIES.insert(0, family)
+    return family
+
+
+def _from_entry_points(arch: str) -> ModelFamily | None:
+    """The family an installed package declares for `arch` (entry point group ddpkit.models, named arch)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == arch:
+            family = entry_object(ep, ModelFamily, f"model '{arch}'", "ddpkit.models.ModelFamily")
+            return register_model(family, replace=True)
+    return None
+
+
+def model_family(arch: str) -> ModelFamily:
+    """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
+    owner = next((f for f in MODEL_FAMILIES if f.owns(arch)), None) or _from_entry_points(arch)
+    if owner is not None:
+        owner.check(arch)
+        return owner
+    names = [name for family in MODEL_FAMILIES for name in family.names()]
+    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
+    hint = (
+        f"did you mean '{close[0]}'?"
+        if close
+        else "use cnn, mlp, a torchvision classification model such as resnet18"
+    )
+    raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
+
+
+def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
+    pretrained = cfg.model.pretrained
+    if pretrained == "torchvision" and not family.torchvision_weights:
+        raise UserError(
+            f"model.pretrained=torchvision needs a torchvision model, but model.arch is '{cfg.model.arch}'",
+            "pass a weights file path as model.pretrained, or pick a torchvision arch such as resnet18",
+        )
+    if pretrained and pretrained != "torchvision":
+        check_weights_path(pretrained)
+
+
+def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
+    """A language model needs token data and a classifier images; the GPT's width fits its heads."""
+    from ddpkit.data.registry import get_dataset
+
+    arch, dataset = cfg.model.arch, cfg.data.dataset
+    tokens = get_dataset(dataset).tokens
+    if family.tokens and not tokens:
+        raise UserError(
+            f"model.arch={arch} is a language model, but data.dataset={dataset} holds images",
+            "use data.dataset=text",
+        )
+    if tokens and not family.tokens:
+        raise UserError(
+            f"data.dataset={dataset} holds text, but model.arch={arch} classifies images",
+            "use model.arch=gpt",
+        )
+    m = cfg.model
+    if family.tokens and m.n_embd % m.n_head:
+        raise UserError(
+            f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
+            "pick n_embd = n_head x the width of one head",
+        )
+
+
+def check_arch(cfg: Config) -> None:
+    """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
+    family = model_family(cfg.model.arch)
+    _check_data_kind(cfg, family)
+    _check_pretrained(cfg, family)
+
+
+def build_model(
+    cfg: Config,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    report: Callable[[str], None] | None = None,
+    *,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+) -> nn.Module:
+    """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set.
+
+    A language model (model.arch=gpt) takes `vocab_size` and `block_size` (the data's) instead of the classes and
+    image shape. `report` receives the line saying what the pretrained weights filled in (default: the
+    `ddpkit.models` logger).
+    """
+    arch, pretrained = cfg.model.arch, cfg.model.pretrained
+    family = model_family(arch)
+    _check_data_kind(cfg, family)
+    _check_pretrained(cfg, family)
+    if family.build_lm is not None:
+        if vocab_size is None or block_size is None:
+            raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
+        model = family.build_lm(arch, vocab_size, block_size, cfg.model)
+    else:
+        model = family.build(arch, num_classes, in_channels, image_size)
+    if pretrained == "torchvision":
+        (report or log.info)(
+            load_matching(
+                model, torchvision_models.pretrained_weights(arch), f"torchvision's default {arch} weights"
+            )
+        )
+    elif pretrained:
+        (report or log.info)(load_matching(model, read_weights(pretrained), pretrained))
+    return model
+
+
+def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
+    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
+    device = torch.device(device)
+    if cfg.model.sync_bn and distributed:
+        if device.type == "cpu":
+            model = convert_gloo_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model

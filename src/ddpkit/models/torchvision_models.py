@@ -1,0 +1,66 @@
+"""torchvision's classification models (`model.arch=resnet18`, ...) and their pretrained weights
+(`model.pretrained=torchvision`); torchvision is imported only when such a model is asked for."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ddpkit.errors import UserError
+from ddpkit.models.family import ModelFamily
+
+
+def torchvision_names() -> list[str]:
+    """torchvision's classification model names."""
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _repeat_gray_to_rgb(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook: a 1-channel image batch becomes 3 identical channels (torchvision stems expect RGB)."""
+    x = args[0]
+    if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == 1:
+        return (x.repeat(1, 3, 1, 1), *args[1:])
+    return None
+
+
+def _build_torchvision(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    import torchvision
+
+    if in_channels not in (1, 3):
+        raise UserError(
+            f"torchvision model '{arch}' takes 3-channel (or 1-channel, repeated) images, the data has {in_channels}",
+            "use model.arch=cnn or mlp, or timm:NAME (which adapts the first layer)",
+        )
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if in_channels == 1:
+        # Parameter-free: the state_dict keys stay torchvision's, so its pretrained weights still load.
+        model.register_forward_pre_hook(_repeat_gray_to_rgb)
+    return model
+
+
+def pretrained_weights(arch: str) -> dict[str, torch.Tensor]:
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    try:
+        return weights.get_state_dict(progress=False, check_hash=False)
+    except OSError as e:  # URLError, socket errors, a read-only cache directory
+        hub = os.path.join(torch.hub.get_dir(), "checkpoints")
+        raise UserError(
+            f"cannot download torchvision's {arch} weights ({getattr(e, 'reason', e)})",
+            f"download {weights.url} on a machine with internet access and pass the file as "
+            f"model.pretrained=PATH, or put it in {hub}",
+        ) from None
+
+
+FAMILY = ModelFamily(
+    "torchvision",
+    owns=lambda arch: arch in torchvision_names(),
+    build=_build_torchvision,
+    names=torchvision_names,
+    torchvision_weights=True,
+)
