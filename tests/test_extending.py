@@ -2,7 +2,7 @@
 train; a model, a strategy and a compression method train on two processes; a launcher is detected; a command
 runs on two processes.
 
-Time budget: about 3 minutes on 2 cores (four launches of 2 processes, a few single processes)."""
+Time budget: 150 s on 2 cores (four launches of 2 processes, a few single processes; measured 116 s)."""
 
 from __future__ import annotations
 

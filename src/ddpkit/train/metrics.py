@@ -237,3 +237,36 @@ class RunLog:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+# ---- the run's own lines in log.txt ---------------------------------------------------------------------
+
+
+def banner(t: Any) -> str:
+    """The line a Trainer `t` starts with: processes, backend, device, strategy and layout, batch, lr, steps."""
+    cfg, ctx, d, lay = t.cfg, t.ctx, t.cfg.dist, t.layout
+    pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if t.pipeline is not None else ""
+    over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}" if lay.parallel else ""  # the model is split
+    return (
+        f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {t.device.type}, "
+        f"strategy {t.strategy.name}{pipe}{over}, global batch {t.global_batch} "
+        f"({cfg.train.batch_size} x {t.replicas} x {cfg.train.grad_accum_steps}), lr {t.lr:g}, "
+        f"{t.steps_per_epoch} optimizer steps/epoch"
+    )
+
+
+def epoch_line(row: dict[str, Any], epochs: int, task: Any) -> str:
+    """`epoch 3/5 | the task's numbers | 2.1s` for a metrics line."""
+    return f"epoch {row['epoch']}/{epochs} | {task.epoch_text(row)} | {row['epoch_time_s']:.1f}s"
+
+
+def final_line(last: dict[str, Any]) -> str | None:
+    """The last metrics line's validation result in words (None without one)."""
+    if last.get("val_acc1") is not None:
+        return f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
+    if last.get("val_ppl") is not None:
+        return (
+            f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
+            f"on {last['val_samples']} samples"
+        )
+    return None

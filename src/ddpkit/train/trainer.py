@@ -43,7 +43,7 @@ from ddpkit.train.builders import (
 )
 from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.memory import MemoryProbe
-from ddpkit.train.metrics import RunLog, read_metrics
+from ddpkit.train.metrics import RunLog, banner, epoch_line, final_line, read_metrics
 from ddpkit.train.metrics_file import EpochEnd, make_row, measured
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
@@ -159,7 +159,7 @@ class Trainer:
             source, ckpt = self.run_dir.open(config_mod.to_yaml(self.cfg), self._check_inputs)
             if ckpt is not None:
                 self._resumed(source, ckpt)
-            self.log.info(self._banner())
+            self.log.info(banner(self))
             last: dict[str, Any] = {}
             while self._more_to_train():
                 epoch, t0 = state.epoch + 1, time.perf_counter()
@@ -172,7 +172,7 @@ class Trainer:
                 last = self._metrics_row(epoch, train, val, time.perf_counter() - t0)
                 self.checkpoint(last)  # before the metrics line: the checkpoint carries it
                 self.log.metrics(last)
-                self.log.info(self._epoch_line(last))
+                self.log.info(epoch_line(last, self.cfg.train.epochs, self.task))
                 if self.stop.poll(state.step, force=True).stop:
                     where = f"after epoch {epoch}; rerun the same command to continue"
                     raise self.stop.preempted(where, self.ctx.is_main)
@@ -360,22 +360,6 @@ class Trainer:
         every, last = self.cfg.eval.every, self.cfg.train.epochs
         return epoch % every == 0 or epoch == last or self.state.step >= self.total_steps
 
-    def _banner(self) -> str:
-        cfg, ctx, d = self.cfg, self.ctx, self.cfg.dist
-        pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if self.pipeline is not None else ""
-        return (
-            f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {self.device.type}, "
-            f"strategy {self.strategy.name}{pipe}{self._layout_words()}, global batch {self.global_batch} "
-            f"({cfg.train.batch_size} x {self.replicas} x {cfg.train.grad_accum_steps}), lr {self.lr:g}, "
-            f"{self.steps_per_epoch} optimizer steps/epoch"
-        )
-
-    def _layout_words(self) -> str:
-        """` over dp=2 x tp=2 x pp=1` when the model is split, nothing otherwise."""
-        if not self.layout.parallel:
-            return ""
-        return f" over dp={self.layout.dp} x tp={self.layout.tp} x pp={self.layout.pp}"
-
     def _metrics_row(
         self, epoch: int, train: tuple[float, float | None, int], val: dict, elapsed: float
     ) -> dict:
@@ -399,10 +383,6 @@ class Trainer:
             fields["resumed_after"], self.resumed_after = self.resumed_after, None
         return {**fields, **self.memory.take()}
 
-    def _epoch_line(self, row: dict[str, Any]) -> str:
-        text = self.task.epoch_text(row)
-        return f"epoch {row['epoch']}/{self.cfg.train.epochs} | {text} | {row['epoch_time_s']:.1f}s"
-
     def _finish(self, last: dict[str, Any]) -> dict[str, Any]:
         if not last:
             rows = read_metrics(self.cfg.out_dir) if self.ctx.is_main else []
@@ -410,15 +390,9 @@ class Trainer:
             self.log.info(
                 f"nothing to train: the run in {self.cfg.out_dir} already finished ({self.state.describe()})"
             )
-        if last.get("val_acc1") is not None:
-            self.log.info(
-                f"final val_acc1 {last['val_acc1']:.4f} ({100 * last['val_acc1']:.2f}%) on {last['val_samples']} samples"
-            )
-        elif last.get("val_ppl") is not None:
-            self.log.info(
-                f"final val_loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) "
-                f"on {last['val_samples']} samples"
-            )
+        final = final_line(last)
+        if final is not None:
+            self.log.info(final)
         from ddpkit.commands import report
 
         if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
