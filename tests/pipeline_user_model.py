@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpkit
 
-STEPS, BATCH, VOCAB, T = 3, 8, 13, 8
+STEPS, BATCH, VOCAB, T = 6, 8, 13, 8
 
 
 class Block(nn.Module):

@@ -1,6 +1,6 @@
 """Pipeline parallelism on real gloo processes: `ddpkit train` on the built-in GPT under pp2 (gpipe, 1f1b,
 interleaved 1F1B), dp2 x pp2 (1F1B and GPipe) and tp2 x pp2 ends with the full weights of the single-process
-run on the same global batch (3 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2,
+run on the same global batch (6 SGD steps, dropout 0) and with its validation loss; `ddpkit.prepare(pp=2,
 pp_split=...)` on a user's own small transformer the same; the settings a pipeline cannot run with are one
 error line each.
 
@@ -34,9 +34,9 @@ TINY = [
     "model.dropout=0",
     "optim.name=sgd",
     "optim.lr=0.5",
-    "optim.ref_batch_size=8",  # lr 0.5 as it is (the global batch is 8): 3 steps move the weights well
+    "optim.ref_batch_size=8",  # lr 0.5 as it is (the global batch is 8): 6 steps move the weights well
     "train.clip_grad_norm=0.5",
-    "train.max_steps=3",
+    "train.max_steps=6",
     "train.epochs=1",
     "report.curves=false",
 ]
