@@ -43,6 +43,7 @@ RECIPES: dict[str, list[str]] = {
         "train.batch_size=128",
         "optim.schedule=constant",
         "optim.warmup_epochs=0",
+        "train.label_smoothing=0",
     ],
 }
 EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \|")

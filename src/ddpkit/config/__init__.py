@@ -111,7 +111,9 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = opt(
         "none", "autocast dtype of the forward pass; fp16 adds a gradient scaler"
     )
-    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss", ge=0, lt=1)
+    label_smoothing: float = opt(
+        0.2, "label smoothing of the classification loss (a language model's loss takes none)", ge=0, lt=1
+    )
     deterministic: bool = opt(
         False,
         "deterministic kernels (cuDNN, cuBLAS, torch.use_deterministic_algorithms): a run and a resumed run repeat "
@@ -133,7 +135,7 @@ class OptimConfig:
 
     name: Literal["sgd", "adamw"] = opt("sgd", "the optimizer")
     lr: float = opt(
-        0.4,
+        0.8,
         "learning rate at optim.ref_batch_size; the one used is lr x global batch / ref_batch_size",
         gt=0,
         aka=("base_lr", "learning_rate"),
