@@ -39,7 +39,9 @@ def main() -> None:
         for w in (0, args.workers):
             kw = {"num_workers": w, "persistent_workers": w > 0}
             plain = DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True, **kw)
-            ours = distributed_loader(ds, args.batch, shuffle=True, drop_last=True, rank=0, world_size=1, **kw)
+            ours = distributed_loader(
+                ds, args.batch, shuffle=True, drop_last=True, rank=0, world_size=1, **kw
+            )
             print(
                 f"{name:9s} workers={w}: plain {timed_pass(plain):8.0f}  ddpkit {timed_pass(ours):8.0f} samples/s",
                 flush=True,
