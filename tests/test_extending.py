@@ -238,7 +238,9 @@ def test_a_command_from_another_package_runs_on_two_processes(tmp_path):
     assert listed.returncode == 0 and "count  sum the ranks, each plus one" in listed.stdout
     proc = run_cli("count", "--times", "10", "dist.backend=gloo", "--nproc-per-node", "2", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank "))
+    # both ranks write to one stdout, where their lines can interleave (seen: "rank 1/2: sum 30rank 0/2: sum
+    # 30"); find them wherever they are
+    lines = sorted(re.findall(r"rank \d/2: sum \d+", proc.stdout))
     assert lines == ["rank 0/2: sum 30", "rank 1/2: sum 30"]  # the package's flag and its collective
     unknown = run_cli("count", "--times", "10")  # without the package: an unknown command, one line
     assert unknown.returncode == 2 and "unknown command 'count'" in unknown.stderr
