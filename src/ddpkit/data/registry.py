@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.entrypoints import entry_object
+from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError, first_line
 
 if TYPE_CHECKING:
@@ -88,13 +88,10 @@ def _load_builtin() -> None:
 
 
 def _from_entry_points(name: str) -> DatasetEntry | None:
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == name:
-            entry = entry_object(ep, DatasetEntry, f"data set '{name}'", "ddpkit.data.DatasetEntry")
-            return register_dataset(entry, replace=True)
-    return None
+    entry = named_entry(
+        ENTRY_POINT_GROUP, name, DatasetEntry, f"data set '{name}'", "ddpkit.data.DatasetEntry"
+    )
+    return None if entry is None else register_dataset(entry, replace=True)
 
 
 def dataset_names() -> list[str]:

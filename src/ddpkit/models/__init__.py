@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ddpkit.config import Config
-from ddpkit.entrypoints import entry_object
+from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 from ddpkit.models import gpt, small, timm_models, torchvision_models
 from ddpkit.models.family import ModelFamily
@@ -71,13 +71,8 @@ def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily
 
 def _from_entry_points(arch: str) -> ModelFamily | None:
     """The family an installed package declares for `arch` (entry point group ddpkit.models, named arch)."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == arch:
-            family = entry_object(ep, ModelFamily, f"model '{arch}'", "ddpkit.models.ModelFamily")
-            return register_model(family, replace=True)
-    return None
+    family = named_entry(ENTRY_POINT_GROUP, arch, ModelFamily, f"model '{arch}'", "ddpkit.models.ModelFamily")
+    return None if family is None else register_model(family, replace=True)
 
 
 def model_family(arch: str) -> ModelFamily:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.entrypoints import entry_object
+from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 
 ENTRY_POINT_GROUP = "ddpkit.compression"
@@ -77,18 +77,9 @@ def _load_builtin() -> None:
 
 
 def _from_entry_points(name: str) -> CompressionMethod | None:
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == name:
-            method = entry_object(
-                ep,
-                CompressionMethod,
-                f"compression method '{name}'",
-                "ddpkit.parallel.compression.CompressionMethod",
-            )
-            return register_compression(method, replace=True)
-    return None
+    what, spelled = f"compression method '{name}'", "ddpkit.parallel.compression.CompressionMethod"
+    method = named_entry(ENTRY_POINT_GROUP, name, CompressionMethod, what, spelled)
+    return None if method is None else register_compression(method, replace=True)
 
 
 def compression_names() -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.entrypoints import entry_object
+from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -96,13 +96,10 @@ def _load_builtin() -> None:
 
 
 def _from_entry_points(name: str) -> StrategyEntry | None:
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == name:
-            entry = entry_object(ep, StrategyEntry, f"strategy '{name}'", "ddpkit.parallel.StrategyEntry")
-            return register_strategy(entry, replace=True)
-    return None
+    entry = named_entry(
+        ENTRY_POINT_GROUP, name, StrategyEntry, f"strategy '{name}'", "ddpkit.parallel.StrategyEntry"
+    )
+    return None if entry is None else register_strategy(entry, replace=True)
 
 
 def strategy_names() -> list[str]:
