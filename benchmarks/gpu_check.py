@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import read_jsonl  # noqa: E402
+
 DIGITS = ["train.epochs=15", "seed=0"]
 RESNET = [
     "data.dataset=synthetic",
@@ -51,9 +54,8 @@ CASES: list[tuple[str, list[str]]] = [
 
 
 def last_metrics(run: Path) -> dict:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     out: dict = {}
-    for row in rows:
+    for row in read_jsonl(run / "metrics.jsonl"):
         out.update({k: v for k, v in row.items() if v is not None})
     return out
 
