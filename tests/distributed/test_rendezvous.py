@@ -113,6 +113,28 @@ def test_two_ranks_asking_for_one_local_rank_is_an_error():
         assert_user_error(proc, "both use local rank 0", "--local-rank")
 
 
+def test_rank_0_refusing_a_local_rank_keeps_its_store_up_until_every_rank_has_read_the_hosts():
+    """Rank 0 hosts the TCP store; if it exits as soon as it sees two ranks on one local rank, a rank still
+    reading the hosts gets a connection error (exit 1, a traceback) instead of the one-line reason. Rank 1
+    here is a slow reader holding a real store client."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from ddpkit.distributed.rendezvous import READ_KEY
+
+    port = free_port()
+    rank0 = start("info", "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0", "--world-size", "2",
+                  "--local-rank", "0")  # fmt: skip
+    store = TCPStore("127.0.0.1", port, 2, False, timeout=__import__("datetime").timedelta(seconds=60))
+    store.set("ddpkit/host/1", f"{socket.gethostname()}\t0")
+    time.sleep(3)  # rank 0 has every entry now and knows the answer
+    assert store.get("ddpkit/host/0").decode().split("\t") == [socket.gethostname(), "0"]
+    store.add(READ_KEY, 1)
+    (proc,) = finish([rank0])
+    assert_user_error(proc, "both use local rank 0", "--local-rank")
+
+
 @pytest.mark.parametrize(
     "flags, env, fragment",
     [

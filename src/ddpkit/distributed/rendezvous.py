@@ -21,6 +21,7 @@ DEFAULT_PROBE_S = 30.0
 # Set by every rank once all ranks have told their host: a rank that finds it in a file:// rendezvous file
 # before joining meets a file an earlier run left behind (a rank of this run can only come before it).
 COMPLETE_KEY = "ddpkit/rendezvous_complete"
+READ_KEY = "ddpkit/hosts_read"  # how many ranks have read every host entry
 LEAVE_WAIT_S = 20.0  # a loaded machine can keep a rank seconds behind rank 0 at exit
 REAPPEAR_S = 1.0  # how long rank 0 watches for the file coming back (see leave)
 
@@ -127,7 +128,23 @@ def join(env: DistEnv, timeout: datetime.timedelta) -> tuple[DistEnv, object]:
     )
     entries = [store.get(f"ddpkit/host/{r}").decode().split("\t") for r in range(env.world_size)]
     store.set(COMPLETE_KEY, "1")
-    return layout(env, entries), store
+    store.add(READ_KEY, 1)
+    try:
+        return layout(env, entries), store
+    except UserError:
+        if env.rank == 0:  # it hosts the TCP store: the others must read the hosts before it exits
+            wait_for_count(store, READ_KEY, env.world_size, LEAVE_WAIT_S)
+        raise
+
+
+def wait_for_count(store, key: str, count: int, seconds: float) -> bool:
+    """Wait (at most `seconds`) until the counter `key` reaches `count`; whether it did."""
+    deadline = time.monotonic() + seconds
+    while store.add(key, 0) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def layout(env: DistEnv, entries: list[list[str]]) -> DistEnv:
@@ -166,11 +183,8 @@ def leave(store, env: DistEnv) -> None:
         store.add("ddpkit/left", 1)
         if env.rank != 0:
             return
-        deadline = time.monotonic() + LEAVE_WAIT_S
-        while store.add("ddpkit/left", 0) < env.world_size:
-            if time.monotonic() > deadline:
-                return  # a rank that did not leave: the file stays, and the next run is told to delete it
-            time.sleep(0.05)
+        if not wait_for_count(store, "ddpkit/left", env.world_size, LEAVE_WAIT_S):
+            return  # a rank that did not leave: the file stays, and the next run is told to delete it
         os.remove(path)
         # torch's FileStore destructor in another rank checks that the file exists, then adds to its clean-up
         # counter, creating the file again when the removal fell in between: remove that leftover too.
