@@ -170,7 +170,7 @@ def test_cli_config_errors_exit_2_and_write_nothing(tmp_path):
 def test_help_config_lists_keys():
     proc = run_cli("train", "--help-config")
     assert proc.returncode == 0
-    assert "train.batch_size = 32" in proc.stdout and "optim.ref_batch_size" in proc.stdout
+    assert "train.batch_size = 64" in proc.stdout and "optim.ref_batch_size" in proc.stdout
     doc = REPO / "docs" / "config.md"
     assert proc.stdout == doc.read_text(), (
         "docs/config.md is stale: regenerate it with `PYTHONPATH=src python -m ddpkit train --help-config "

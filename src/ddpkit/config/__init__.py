@@ -80,7 +80,7 @@ class ModelConfig:
     sync_bn: bool = opt(
         False, "SyncBatchNorm: batch statistics over every process's micro-batch, not each one's own"
     )
-    channels_last: bool = opt(False, "channels_last memory format for the model and its inputs")
+    channels_last: bool = opt(True, "channels_last memory format for the model and its 4-d inputs (faster convolutions)")
     compile: bool = opt(False, "torch.compile the model")
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
@@ -100,11 +100,11 @@ class ModelConfig:
 class TrainConfig:
     """The training loop."""
 
-    epochs: int = opt(15, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
+    epochs: int = opt(25, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
     max_steps: int | None = opt(
         None, "stop after this many optimizer steps in the whole run; null: no cap", gt=0
     )
-    batch_size: int = opt(32, "samples in one micro-batch: what one process feeds forward at once", gt=0)
+    batch_size: int = opt(64, "samples in one micro-batch: what one process feeds forward at once", gt=0)
     grad_accum_steps: int = opt(
         1, "micro-batches per optimizer step (gradients are synchronised on the last one only)", gt=0
     )
@@ -135,7 +135,7 @@ class OptimConfig:
 
     name: Literal["sgd", "adamw"] = opt("sgd", "the optimizer")
     lr: float = opt(
-        0.8,
+        1.0,
         "learning rate at optim.ref_batch_size; the one used is lr x global batch / ref_batch_size",
         gt=0,
         aka=("base_lr", "learning_rate"),
