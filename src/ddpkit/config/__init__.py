@@ -80,7 +80,9 @@ class ModelConfig:
     sync_bn: bool = opt(
         False, "SyncBatchNorm: batch statistics over every process's micro-batch, not each one's own"
     )
-    channels_last: bool = opt(True, "channels_last memory format for the model and its 4-d inputs (faster convolutions)")
+    channels_last: bool = opt(
+        True, "channels_last memory format for the model and its 4-d inputs (faster convolutions)"
+    )
     compile: bool = opt(False, "torch.compile the model")
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
