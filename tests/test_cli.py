@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ddpkit import cli
-from ddpkit.distributed.launch import _failure
 from ddpkit.errors import Preempted, TrainingFailure, UserError, WorkerFailure
+from ddpkit.launcher.launch import _failure
 
 PREEMPTED = "stopped by SIGTERM after epoch 2; rerun the same command to continue"
 

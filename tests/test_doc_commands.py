@@ -23,7 +23,7 @@ import yaml
 
 from conftest import REPO, cli_env
 from ddpkit import errors
-from ddpkit.distributed.launch import free_port
+from ddpkit.launcher.launch import free_port
 
 DOCS = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
 PROGRAMS = {
@@ -359,7 +359,7 @@ def assert_parses(shown: str, words: list[str], launched_elsewhere: bool) -> Non
     from ddpkit.cli import _load, command_parser, parse
     from ddpkit.commands import COMMANDS
     from ddpkit.commands.run import _parser, split
-    from ddpkit.distributed.launch import spec_from_args
+    from ddpkit.launcher.launch import spec_from_args
 
     try:
         if COMMANDS[words[0]].mode == "script":

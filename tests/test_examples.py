@@ -30,8 +30,8 @@ from conftest import (
     write_cifar10,
 )
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.distributed.env import slurm_port
-from ddpkit.distributed.launch import free_port
+from ddpkit.cluster.env import slurm_port
+from ddpkit.launcher.launch import free_port
 
 EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py"))

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import REPO, run_cli
-from ddpkit.metrics import read_metrics
+from ddpkit.train.metrics import read_metrics
 
 PACKAGE = """
 import torch
@@ -86,7 +86,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit.commands import Command
-from ddpkit.distributed.env import DistEnv, LauncherDetector
+from ddpkit.cluster.env import DistEnv, LauncherDetector
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod
 from ddpkit.parallel.strategies.ddp import DDPStrategy
@@ -202,7 +202,7 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
     import sys
 
     from conftest import cli_env
-    from ddpkit.distributed.launch import free_port
+    from ddpkit.launcher.launch import free_port
 
     install_extensions(tmp_path / "site")
     port = str(free_port())

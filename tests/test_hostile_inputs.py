@@ -24,8 +24,8 @@ import torch
 from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from ddpkit.errors import UserError
-from ddpkit.metrics import RunLog
-from ddpkit.rundir import check_out_dir
+from ddpkit.train.metrics import RunLog
+from ddpkit.train.rundir import check_out_dir
 
 QUICK = QUICK_MLP
 ROW = {
@@ -126,7 +126,7 @@ def test_symlinks_where_ddpkit_writes_leave_the_outside_files_byte_identical(tmp
 
 
 def test_files_the_user_owns_are_never_replaced_or_deleted(tmp_path):
-    from ddpkit.outputs import check_output
+    from ddpkit.commands.outputs import check_output
 
     ckpts = tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
@@ -249,7 +249,7 @@ def test_a_cut_checkpoint_and_a_newline_in_a_flag_each_give_one_clean_line(tmp_p
     assert "Invalid argument" not in str(caught.value) and "permissions" not in str(caught.value)
     assert_user_error(run_cli("k8s", "--image", "ddpkit:1\nrm -rf /"), "--image")
 
-    from ddpkit.rundir import inspect, newest_readable
+    from ddpkit.train.rundir import inspect, newest_readable
 
     out = tmp_path / ("a-long-folder-name-" * 5) / "run"
     (out / "checkpoints").mkdir(parents=True)
@@ -344,7 +344,7 @@ if os.environ["RANK"] == "1":
 
 
 def test_straggler_action_stop_ends_the_ranks_still_running_after_naming_them(tmp_path):
-    from ddpkit.distributed.stacks import Watch
+    from ddpkit.diagnostics.stacks import Watch
 
     said: list[str] = []
     with Watch(timeout_s=1, action="stop", say=lambda text, **_: said.append(text)) as watch:

@@ -51,12 +51,16 @@ def test_a_moved_module_is_importable_by_its_old_name_as_the_same_module():
         assert not (SRC.parent / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
     # in a process of its own: importing every module here would take over this one's signals (warm_server)
     check = (
-        "import importlib, ddpkit\n"
+        "import importlib, warnings, ddpkit\n"
         "from ddpkit._moved import MOVED\n"
         "for old, new in MOVED.items():\n"
-        "    module = importlib.import_module(old)\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module(old)\n"
         "    assert module is importlib.import_module(new), old\n"
         "    assert module.__spec__.name == new, old\n"
+        "    said = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+        "    assert f'{old} moved to {new}; the old name goes in the next release' in said, (old, said)\n"
     )
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

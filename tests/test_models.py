@@ -14,7 +14,6 @@ from torch import nn
 
 from ddpkit import models
 from ddpkit.config import Config
-from ddpkit.distributed.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
 from ddpkit.errors import UserError
 from ddpkit.models import (
     MODEL_FAMILIES,
@@ -25,6 +24,7 @@ from ddpkit.models import (
     prepare_model,
     read_weights,
 )
+from ddpkit.parallel.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
 
 
 def make_cfg(arch: str = "cnn", **model) -> Config:
@@ -106,7 +106,7 @@ def test_torchvision_other_channel_counts_are_user_errors():
 
 
 def test_import_stays_light():
-    code = "import sys, ddpkit.models, ddpkit.optim; assert 'torchvision' not in sys.modules; assert 'timm' not in sys.modules"
+    code = "import sys, ddpkit.models, ddpkit.train.optim; assert 'torchvision' not in sys.modules; assert 'timm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -16,8 +16,8 @@ import torch
 
 from conftest import assert_user_error, cli_env, finish, run_cli, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.distributed.signals import worker_pids as workers
-from ddpkit.metrics import read_metrics
+from ddpkit.launcher.signals import worker_pids as workers
+from ddpkit.train.metrics import read_metrics
 
 # Deterministic runs: no augmentation, no norm/dropout layers, so a resumed run must equal an unbroken one.
 EXACT = ["model.arch=mlp", "data.augment=false", "train.epochs=3"]

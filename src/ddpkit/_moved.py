@@ -3,7 +3,8 @@
 
 An old name is an alias of the module itself, not a copy: `import ddpkit.trainer` gives the very module object
 `ddpkit.train.trainer` (so a test's or a user's monkeypatch of the old name patches the code that runs). The
-table is the whole mechanism: no file is left at an old path. Installed by `ddpkit/__init__.py`.
+table is the whole mechanism: no file is left at an old path. Importing an old name warns (DeprecationWarning,
+pointing at the import statement). Installed by `ddpkit/__init__.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from types import ModuleType
 
 _D, _L, _T = "ddpkit.distributed.", "ddpkit.launcher.", "ddpkit.train."
@@ -65,7 +67,13 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec) -> ModuleType:
-        module = importlib.import_module(MOVED[spec.name])
+        new = MOVED[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new}; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,  # warnings skips the import machinery's frames: the import statement
+        )
+        module = importlib.import_module(new)
         spec.loader_state = module.__spec__
         return module
 

@@ -23,8 +23,8 @@ import torch
 
 from conftest import GPT_RUN, assert_user_error, cli_env, gpt_train, run_cli
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit.checkpoint.sharded import read_model
 from ddpkit.errors import UserError
-from ddpkit.sharded import read_model
 
 # The built-in transformer on a small text (conftest.GPT_RUN): the weights after 6 optimizer steps are a function
 # of the global batch only, so every layout and world size must reach those of the session's single-process run.

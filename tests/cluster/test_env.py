@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.distributed.env import (
+from ddpkit.cluster.env import (
     DistEnv,
     detect_env,
     expand_nodelist,
@@ -240,7 +240,7 @@ def test_pbs_pbsdsh_reads_the_node_file(tmp_path):
 
 
 def test_slurm_facts_are_one_place_for_the_launcher_and_the_detector():
-    from ddpkit.distributed.env import slurm_job_step, slurm_nodelist
+    from ddpkit.cluster.env import slurm_job_step, slurm_nodelist
 
     env = {
         "SLURM_NODELIST": "a[1-2]",

@@ -72,7 +72,7 @@ def test_skip_corrupt_leaves_undecodable_samples_out_counts_and_names_them(tmp_p
         "train.epochs=2",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from ddpkit.metrics import read_metrics
+    from ddpkit.train.metrics import read_metrics
 
     rows = read_metrics(out)
     assert [r["skipped_samples"] for r in rows] == [2, 2]  # one training and one validation file each epoch

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import assert_user_error, cli_env, run_cli
-from ddpkit.distributed.launch import free_port, worker_argv
+from ddpkit.launcher.launch import free_port, worker_argv
 
 LINE = re.compile(r"rank=(\d+) local_rank=(\d+) world_size=(\d+) host=(\S+) backend=(\S+) device=(\S+)")
 
@@ -137,8 +137,8 @@ def test_failed_worker_is_named(tmp_path):
     # A worker that dies makes the job exit non-zero and the message names its rank.
     script = tmp_path / "die.py"
     script.write_text("import os, sys\nsys.exit(7 if os.environ['RANK'] == '1' else 0)\n")
-    from ddpkit.distributed.launch import LaunchSpec, launch_elastic
     from ddpkit.errors import WorkerFailure
+    from ddpkit.launcher.launch import LaunchSpec, launch_elastic
 
     spec = LaunchSpec(nproc_per_node=2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

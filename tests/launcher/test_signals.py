@@ -15,8 +15,8 @@ import pytest
 
 from conftest import cli_env, finish, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.distributed.signals import worker_pids
-from ddpkit.metrics import read_metrics
+from ddpkit.launcher.signals import worker_pids
+from ddpkit.train.metrics import read_metrics
 
 # 2 epochs of 179 optimizer steps on 2 ranks: the signal comes once epoch 1 is logged.
 ARGS = ["model.arch=mlp", "data.augment=false", "train.epochs=2", "train.batch_size=4", "train.log_every=50"]
@@ -169,7 +169,7 @@ def test_a_second_sigint_to_the_launcher_kills_the_workers_at_once(tmp_path):
 AFTER_A_LAUNCH = r"""
 import os, subprocess, sys
 from ddpkit.cli import run
-from ddpkit.distributed.signals import PARENT_VAR
+from ddpkit.launcher.signals import PARENT_VAR
 
 assert run(["info", "--nproc-per-node", "2"]) == 0  # this process launched workers itself
 assert PARENT_VAR not in os.environ, "the launcher's mark outlived its launch"

@@ -1,4 +1,4 @@
-"""Start-up (ddpkit.startup, ddpkit.distributed.warm_start): what is measured, and what a launch no longer pays.
+"""Start-up (ddpkit.launcher.startup, ddpkit.launcher.warm_start): what is measured, and what a launch no longer pays.
 
 Speed itself is measured in benchmarks/startup.py; here: the fields are right, the light imports stay light,
 and a worker forked from the fork server is the worker a fresh interpreter would have been.
@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, cli_env, run_cli
 from ddpkit import startup
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.metrics import read_metrics
+from ddpkit.train.metrics import read_metrics
 
 PARTS = [f"startup_{stage}_s" for stage, _ in startup.STAGES]
 

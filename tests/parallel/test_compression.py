@@ -12,9 +12,9 @@ from conftest import REPO, run_cli
 from ddpkit.config import load_config
 from ddpkit.distributed.runtime import current
 from ddpkit.errors import UserError
-from ddpkit.metrics import read_metrics
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy
+from ddpkit.train.metrics import read_metrics
 
 
 def _batches(n: int, seed: int):

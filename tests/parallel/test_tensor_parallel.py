@@ -104,7 +104,7 @@ def _batches():
 def _gpt():
     import torch
 
-    from ddpkit.gpt import GPT
+    from ddpkit.models.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
@@ -151,7 +151,7 @@ class TinyTransformer:
 
 
 def _train(model, opt, batches):
-    from ddpkit.gpt import lm_loss
+    from ddpkit.models.gpt import lm_loss
 
     for d in batches:
         lm_loss(model(d[:, :-1]), d[:, 1:]).backward()

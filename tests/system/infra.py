@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import cli_env
-from ddpkit.distributed.signals import alive
+from ddpkit.launcher.signals import alive
 
 from .helpers import PY
 

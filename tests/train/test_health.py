@@ -1,4 +1,4 @@
-"""Heartbeats (ddpkit.distributed.health): who fell behind, named after a failed collective."""
+"""Heartbeats (ddpkit.train.health): who fell behind, named after a failed collective."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import cli_env, dist_context, run_group
-from ddpkit.distributed.health import Heartbeat, explain_comm_failures, stop_heartbeat
 from ddpkit.errors import WorkerFailure
+from ddpkit.train.health import Heartbeat, explain_comm_failures, stop_heartbeat
 
 
 def test_a_single_process_beats_nowhere_and_its_errors_pass_through():
@@ -68,7 +68,7 @@ BEATING_EXIT_SCRIPT = r"""
 import sys, time
 import torch.distributed as dist
 import ddpkit
-from ddpkit.distributed.health import Heartbeat
+from ddpkit.train.health import Heartbeat
 
 ctx = ddpkit.init_distributed("gloo", "cpu", 30)
 Heartbeat(ctx.rank, ctx.world_size, interval_s=0.0)  # never closed by the caller, always inside the store

@@ -1,4 +1,4 @@
-"""Rank 0's output (ddpkit.metrics): running sums, log.txt, metrics.jsonl and its repair on resume."""
+"""Rank 0's output (ddpkit.train.metrics): running sums, log.txt, metrics.jsonl and its repair on resume."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ddpkit.metrics import RunLog, RunningSums, read_metrics
+from ddpkit.train.metrics import RunLog, RunningSums, read_metrics
 
 
 def test_running_sums_count_loss_correct_and_samples():
@@ -109,7 +109,7 @@ class _ClosedPipe(io.StringIO):
 
 def test_a_console_that_went_away_ends_the_printing_not_the_run(tmp_path, monkeypatch):
     silenced = []
-    monkeypatch.setattr("ddpkit.metrics.silence_stdout", lambda: silenced.append(True))
+    monkeypatch.setattr("ddpkit.train.metrics.silence_stdout", lambda: silenced.append(True))
     log = RunLog(tmp_path, active=True, stream=_ClosedPipe())
     log.open()
     log.info("one")  # raised BrokenPipeError before

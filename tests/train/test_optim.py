@@ -1,4 +1,4 @@
-"""Optimizer, linear lr scaling and schedules (ddpkit.optim)."""
+"""Optimizer, linear lr scaling and schedules (ddpkit.train.optim)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddpkit.config import Config
-from ddpkit.optim import (
+from ddpkit.train.optim import (
     build_optimizer,
     build_scheduler,
     global_batch_size,

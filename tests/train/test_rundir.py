@@ -1,4 +1,4 @@
-"""One run per out_dir (ddpkit.rundir, ddpkit.runlock): the lock, what an earlier run left there (continued, refused
+"""One run per out_dir (ddpkit.train.rundir, ddpkit.train.runlock): the lock, what an earlier run left there (continued, refused
 or moved aside, never overwritten), every check before the first byte, and the OS failures of writing a run
 (a full or read-only disk, a path under a file, a closed stdout) in one line."""
 
@@ -22,9 +22,9 @@ from conftest import QUICK_MLP, assert_user_error, cli_env, run_cli
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
-from ddpkit.metrics import read_metrics
-from ddpkit.rundir import Plan, decide, inspect
-from ddpkit.runlock import LOCK_NAME, RunLock, check_free, job_id
+from ddpkit.train.metrics import read_metrics
+from ddpkit.train.rundir import Plan, decide, inspect
+from ddpkit.train.runlock import LOCK_NAME, RunLock, check_free, job_id
 
 QUICK = QUICK_MLP
 
@@ -73,7 +73,7 @@ def test_the_lock_is_exclusive_names_its_holder_and_goes_back_to_what_it_was(tmp
 
 HOLDER = r"""
 import sys, time
-from ddpkit.runlock import RunLock
+from ddpkit.train.runlock import RunLock
 RunLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)

@@ -1,4 +1,4 @@
-"""The agreements between ranks (ddpkit.distributed.stop): signals, timed checkpoints, non-finite losses."""
+"""The agreements between ranks (ddpkit.train.stop): signals, timed checkpoints, non-finite losses."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import run_group
-from ddpkit.distributed.stop import NonFiniteLoss, StopAgreement
 from ddpkit.errors import Preempted, TrainingFailure
+from ddpkit.train.stop import NonFiniteLoss, StopAgreement
 
 
 def test_a_signal_stops_a_single_process_at_the_next_step_and_handlers_come_back():
@@ -66,7 +66,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
 
 
 def _signal_during_the_collective(rank: int, world_size: int) -> list[bool]:
-    import ddpkit.distributed.stop as stop
+    import ddpkit.train.stop as stop
 
     real = stop.all_reduce_sum
 

@@ -208,9 +208,9 @@ def test_bench_measures_a_language_models_tokens_per_second(tmp_path):
 
 
 def _strategies(rank: int, world_size: int, root: str) -> dict:
-    from ddpkit.distributed.env import DistEnv
+    from ddpkit.cluster.env import DistEnv
     from ddpkit.distributed.runtime import DistContext
-    from ddpkit.trainer import Trainer
+    from ddpkit.train.trainer import Trainer
 
     launcher = "manual" if world_size > 1 else "none"
     env = DistEnv(

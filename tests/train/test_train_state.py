@@ -1,4 +1,4 @@
-"""The resumable training state (ddpkit.train_state): what a checkpoint carries and how a rerun continues."""
+"""The resumable training state (ddpkit.train.train_state): what a checkpoint carries and how a rerun continues."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import run_group
 from ddpkit.data import DistributedLoader
-from ddpkit.train_state import STATE_KEYS, TrainState
+from ddpkit.train.train_state import STATE_KEYS, TrainState
 
 CPU = torch.device("cpu")
 

@@ -20,9 +20,9 @@ import torch
 
 from conftest import REPO, assert_user_error, cli_env, dist_context, plain, run_cli, run_clis, run_group
 from ddpkit.config import Config, load_config
-from ddpkit.distributed.health import Heartbeat
-from ddpkit.metrics import METRIC_KEYS, read_metrics
-from ddpkit.trainer import Trainer
+from ddpkit.train.health import Heartbeat
+from ddpkit.train.metrics import METRIC_KEYS, read_metrics
+from ddpkit.train.trainer import Trainer
 
 # Small, deterministic runs: digits, no augmentation, an MLP (no norm/dropout layers), constant lr.
 EXACT = [
