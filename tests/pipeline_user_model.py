@@ -100,3 +100,54 @@ def piped(pp: int, schedule: str) -> dict:
         "val_loss": model.evaluate(val),
         "losses": losses,
     }
+
+
+# ---- a small convolutional net computing in channels_last (no BatchNorm: micro-batches leave the math alone)
+
+
+def conv_model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    ).to(memory_format=torch.channels_last)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    g = torch.Generator().manual_seed(3)
+    x, y = (
+        torch.randn(BATCH * STEPS + 20, 3, 8, 8, generator=g),
+        torch.randint(0, 5, (BATCH * STEPS + 20,), generator=g),
+    )
+    train = TensorDataset(x[: BATCH * STEPS], y[: BATCH * STEPS])
+    val = DataLoader(TensorDataset(x[BATCH * STEPS :], y[BATCH * STEPS :]), batch_size=6, shuffle=False)
+    return model, opt, train, val
+
+
+def conv_single() -> dict:
+    model, opt, train, val = conv_model_and_data()
+    train = ddpkit.distributed_loader(train, BATCH, shuffle=True, seed=0, drop_last=True)
+    for x, y in train:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        n = sum(len(y) for _, y in val)
+        val_loss = sum(float(F.cross_entropy(model(x), y)) * len(y) for x, y in val) / n
+    return {"state": {k: v.contiguous().numpy() for k, v in model.state_dict().items()}, "val_loss": val_loss}
+
+
+def conv_piped(pp: int) -> dict:
+    model, opt, train, val = conv_model_and_data()
+    train = DataLoader(train, batch_size=BATCH * pp // ddpkit.get_world_size(), shuffle=True, drop_last=True)
+    model, opt, train, val = ddpkit.prepare(
+        model, opt, train, val, pp=pp, pp_split=["2"], loss_fn=F.cross_entropy
+    )
+    for x, y in train:
+        model.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    state = model.full_state()
+    return {
+        "state": {k: v.contiguous().numpy() for k, v in state.items()} if state is not None else None,
+        "val_loss": model.evaluate(val),
+    }

@@ -124,6 +124,32 @@ def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_referen
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches the first stage too
 
 
+def test_a_channels_last_conv_net_under_pp2_equals_its_single_process_run():
+    """Stages computing in channels_last send contiguous activations forward and contiguous gradients back
+    (point-to-point sends take no other layout): the run equals the one-process run."""
+    ranks = ddpkit.launch(user.conv_piped, 2, nprocs=2)
+    ref = user.conv_single()
+    got = {k: torch.from_numpy(v) for k, v in ranks[0]["state"].items()}
+    assert _relative_error(got, {k: torch.from_numpy(v) for k, v in ref["state"].items()}) < 1e-4
+    assert ranks[0]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+
+
+def test_contiguous_edges_change_no_value_and_send_the_standard_layout():
+    from ddpkit.parallel.pipeline import ContiguousEdges
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    plain = conv(x)
+    assert not plain.is_contiguous()  # what a send would refuse
+    (gx,) = torch.autograd.grad(plain.sum(), x)
+    x2 = x.detach().clone().requires_grad_()
+    out = ContiguousEdges(conv)(x2)
+    out.sum().backward()
+    assert out.is_contiguous() and x2.grad.is_contiguous()
+    assert torch.equal(out, plain) and torch.equal(x2.grad, gx)
+
+
 # ------------------------------------------------------------------------------------------ the plan, refusals
 
 

@@ -44,6 +44,39 @@ def _local(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; the gradient it passes back is made contiguous (a channels_last convolution gives its input's
+    gradient in channels_last, and point-to-point sends take contiguous tensors only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class ContiguousEdges(nn.Module):
+    """A stage whose inputs' gradients and whose outputs are contiguous: what it sends to its neighbour stages
+    (activations forward, gradients backward) in the layout a send takes, whatever memory format it computes in
+    (model.channels_last). Values are unchanged."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        args = tuple(
+            _ContiguousGrad.apply(a) if torch.is_tensor(a) and a.is_floating_point() and a.requires_grad else a
+            for a in args
+        )
+        out = self.stage(*args)
+        if isinstance(out, tuple):
+            return tuple(o.contiguous() if torch.is_tensor(o) else o for o in out)
+        return out.contiguous() if torch.is_tensor(out) else out
+
+
 class PipelineRunner:
     """This rank's stages of a pipeline, and the schedule that feeds them.
 
@@ -90,6 +123,7 @@ class PipelineRunner:
         )
 
     def _wrap(self, module: nn.Module) -> nn.Module:
+        module = ContiguousEdges(module)
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
