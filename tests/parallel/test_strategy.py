@@ -98,3 +98,31 @@ def test_full_model_and_optimizer_state_on_rank_0_and_back(name):
     assert rank0["has_optimizer_state"] and rank0["momentum_keys"] == 4  # every parameter's momentum
     gathered_on_rank_0_only = name in ("zero1", "fsdp")
     assert rank1["has_optimizer_state"] is not gathered_on_rank_0_only
+
+
+def _conv() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+
+
+def _channels_last_step(rank: int, world_size: int, name: str) -> dict:
+    strategy = build_strategy(name, dist_context(rank, world_size))
+    model = _conv().to(memory_format=torch.channels_last)  # what model.channels_last=true does
+    wrapped = strategy.wrap(model)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank)).contiguous(
+        memory_format=torch.channels_last
+    )
+    wrapped(x).sum().backward()
+    return {"state": plain(strategy.model_state(wrapped))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "zero2"])
+def test_sharding_strategies_take_a_channels_last_model(name):
+    """FSDP2 refuses parameters that are not contiguous: the strategy gives it the standard layout."""
+    rank0, _ = run_group(_channels_last_step, 2, name)
+    assert {k: v.shape for k, v in rank0["state"].items()} == {
+        k: v.shape for k, v in _conv().state_dict().items()
+    }
+    for key, value in _conv().state_dict().items():  # no step taken: the values as they were
+        assert torch.equal(torch.from_numpy(rank0["state"][key]), value), key

@@ -81,7 +81,8 @@ class ModelConfig:
         False, "SyncBatchNorm: batch statistics over every process's micro-batch, not each one's own"
     )
     channels_last: bool = opt(
-        True, "channels_last memory format for the model and its 4-d inputs (faster convolutions)"
+        True,
+        "channels_last memory format for the model and its 4-d inputs (faster convolutions; under fsdp and zero2 the parameters stay contiguous, as FSDP2 requires)",
     )
     compile: bool = opt(False, "torch.compile the model")
     pretrained: str | None = opt(

@@ -36,9 +36,14 @@ class FSDPStrategy(Strategy):
         return options
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        import torch
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
+        if any(not p.is_contiguous() for p in model.parameters()):
+            # FSDP2 shards parameters in the standard layout only (model.channels_last made them NHWC); the
+            # values are the same, only the memory order changes
+            model = model.to(memory_format=torch.contiguous_format)
         for block in shard_units(model):  # one shard group per block, then the root
             fully_shard(block, **options)
         fully_shard(model, **options)
