@@ -68,7 +68,9 @@ class ContiguousEdges(nn.Module):
 
     def forward(self, *args):
         args = tuple(
-            _ContiguousGrad.apply(a) if torch.is_tensor(a) and a.is_floating_point() and a.requires_grad else a
+            _ContiguousGrad.apply(a)
+            if torch.is_tensor(a) and a.is_floating_point() and a.requires_grad
+            else a
             for a in args
         )
         out = self.stage(*args)
