@@ -334,7 +334,7 @@ def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_pa
 
 ARMED = """
 import os, sys, time
-from ddpkit.distributed import stacks
+from ddpkit.diagnostics import stacks
 stacks.arm()
 def waiting_rank():
     time.sleep(600)

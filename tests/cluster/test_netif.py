@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ddpkit.distributed import netif
+from ddpkit.cluster import netif
 from ddpkit.errors import UserError
 
 pytestmark = pytest.mark.skipif(

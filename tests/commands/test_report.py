@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from conftest import assert_user_error, cli_env, run_cli
-from ddpkit import report
 from ddpkit.cli import main
+from ddpkit.commands import report
 
 RUN = ["train.epochs=2", "train.batch_size=64"]  # digits, the built-in CNN: 2 epochs in seconds
 

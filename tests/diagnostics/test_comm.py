@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_user_error, run_cli
 from ddpkit.commands import comm as commcheck
-from ddpkit.distributed import collective_bench, collective_check
+from ddpkit.diagnostics import collective_bench, collective_check
 from ddpkit.errors import UserError
 
 SMALL = ("--sizes", "4K-64K", "--iters", "3", "--warmup", "1")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env, run_cli
-from ddpkit import startup
 from ddpkit.checkpoint import load_checkpoint
+from ddpkit.launcher import startup
 from ddpkit.train.metrics import read_metrics
 
 PARTS = [f"startup_{stage}_s" for stage, _ in startup.STAGES]
@@ -131,7 +131,7 @@ _LAUNCH = textwrap.dedent(
     import sys
     sys.path.insert(0, sys.argv[1])
     import dumper
-    from ddpkit.distributed import launch, warm_start
+    from ddpkit.launcher import launch, warm_start
     from ddpkit.errors import Failure
     if __name__ == "__main__":  # a forked worker imports the main module again
         out, code = sys.argv[2], sys.argv[3]
@@ -215,7 +215,8 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_3(tmp_pa
     assert proc.returncode == 3, err[-3000:]
     assert "ddpkit: stopped by SIGTERM " in err, err[-3000:]  # the workers' own stop, not just the launcher's
     state = load_checkpoint(out / "checkpoints" / "last.pt")
-    assert state["step"] >= 22 and len(read_metrics(out)) == state["epoch"]
+    # at least the first epoch: 1,438 digits in global batches of 2 x 64
+    assert state["step"] >= 1438 // 128 and len(read_metrics(out)) == state["epoch"]
 
 
 def test_the_warm_start_switch_the_docs_name_turns_warm_starts_off(monkeypatch):
