@@ -164,6 +164,7 @@ def test_a_powersgd_run_resumed_mid_epoch_continues_with_its_saved_state(tmp_pat
         "dist.grad_compression=powersgd",
         "dist.powersgd_warmup_steps=4",
         "train.epochs=2",
+        "train.batch_size=32",  # 22 steps per epoch: step 30 is inside epoch 2
         "optim.schedule=constant",
         "report.curves=false",
     ]  # constant: max_steps must not reshape the lr
