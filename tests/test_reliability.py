@@ -159,7 +159,7 @@ def test_sigterm_to_the_launcher_stops_all_workers_with_a_checkpoint(tmp_path):
     rc, _, err = finish(proc)
     assert rc == 3, err[-3000:]
     state = load_checkpoint(out / "checkpoints" / "last.pt")
-    assert state["step"] >= 22
+    assert state["step"] >= 1438 // 128  # at least the first epoch: global batches of 2 x 64
     assert len(read_metrics(out)) == state["epoch"]
 
 

@@ -28,6 +28,7 @@ from ddpkit.train.trainer import Trainer
 EXACT = [
     "data.augment=false",
     "model.arch=mlp",
+    "train.batch_size=32",  # the step counts below are of 32 per process
     "optim.schedule=constant",
     "optim.ref_batch_size=null",
     "optim.lr=0.05",
@@ -160,12 +161,12 @@ def test_run_directory_contract(tmp_path):
     for r in rows:
         assert set(METRIC_KEYS) <= set(r)
         assert 0 <= r["train_acc1"] <= 1 and 0 <= r["val_acc1"] <= 1 and 0 <= r["val_acc5"] <= 1
-        assert r["val_samples"] == 359 and r["world_size"] == 2 and r["global_batch_size"] == 64
+        assert r["val_samples"] == 359 and r["world_size"] == 2 and r["global_batch_size"] == 128
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt"]
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "epoch", "step", "config"} <= set(state)
-    assert state["epoch"] == 3 and state["step"] == 3 * (1438 // 64)
+    assert state["epoch"] == 3 and state["step"] == 3 * (1438 // 128)  # 2 processes x 64
     assert not any(k.startswith("module.") for k in state["model"])  # the unwrapped model's state_dict
     # only rank 0 printed: one summary line, not two
     assert proc.stdout.count("final val_acc1") == 1
