@@ -404,7 +404,7 @@ def test_channels_last():
     assert model.block1[0].weight.is_contiguous(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
     assert model(x).shape == (2, 10)
-    plain = prepare_model(build("cnn", 10, 3, 32), make_cfg(), torch.device("cpu"), False)
+    plain = prepare_model(build("cnn", 10, 3, 32), make_cfg(channels_last=False), torch.device("cpu"), False)
     assert not plain.block1[0].weight.is_contiguous(memory_format=torch.channels_last)
     mlp = prepare_model(
         build("mlp", 10, 3, 8), make_cfg("mlp", channels_last=True), torch.device("cpu"), False

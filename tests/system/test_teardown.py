@@ -48,6 +48,9 @@ def _start_holder(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # a suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and Python then
+        # never turns it into KeyboardInterrupt: give the holder the terminal's Ctrl-C, as a user's session has
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 180
     while not ready.exists() or not ready.read_text():
