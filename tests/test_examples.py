@@ -16,7 +16,6 @@ import sys
 import pytest
 import torch
 
-import ddpkit
 from conftest import (
     REPO,
     RUN_BY,
@@ -31,6 +30,7 @@ from conftest import (
 )
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.cluster.env import slurm_port
+from ddpkit.config import load_config
 from ddpkit.launcher.launch import free_port
 
 EXAMPLES = REPO / "examples"
@@ -300,7 +300,7 @@ def test_06_every_recipe_and_override_in_the_docstring_loads(monkeypatch):
     for doc in doc_commands("06_framework_config.py"):
         args = parser.parse_args(doc.example_args())
         assert (REPO / args.cfg).is_file(), args.cfg
-        ddpkit.load_config(REPO / args.cfg, framework.overrides(args.opts))  # a wrong key raises UserError
+        load_config(REPO / args.cfg, framework.overrides(args.opts))  # a wrong key raises UserError
 
 
 def test_06_framework_names_a_wrong_key_and_exits_2():
