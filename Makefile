@@ -16,11 +16,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/ddpkit train -c configs/digits.yaml out_dir=runs/demo --nproc-per-node $(NPROC)
 
+# Tests run on TEST_WORKERS parallel workers (pytest-xdist); the system tests and those marked `serial` run one
+# after another on one of them (tests/conftest.py). The last lines name the 20 slowest tests; the per-test times
+# are kept in runs/test-report.xml (benchmarks/suite_times.py sums them per folder).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	mkdir -p runs
+	$(PYTEST) --durations=20 --junitxml=runs/test-report.xml
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not slow and not system"
+	$(PYTEST) -m "not slow and not system" --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

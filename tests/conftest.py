@@ -10,6 +10,7 @@ import pickle
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,50 @@ REPO = Path(__file__).resolve().parents[1]
 # The suite runs 3 and 4 processes on a 2-core machine on purpose (odd world sizes, prime-sized shards);
 # test_more_processes_than_cores_is_refused unsets it.
 os.environ.setdefault("DDPKIT_OVERSUBSCRIBE", "1")
+
+
+# Parallel test workers (pytest-xdist, `--dist loadgroup`): tests that must not overlap with one another (the
+# system tests share one Slurm cluster and one pair of network namespaces; a `serial` test measures time or
+# scans the machine) all go to one worker, in one group, one after another.
+SERIAL_GROUP = "serial"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("system") or item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
+def _worker_ports() -> range:
+    """This test worker's own ports: apart from every other worker's, and below the kernel's ephemeral range,
+    from which bind(port 0) and every outgoing connection on the machine draw theirs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    span = min(400, (min(low, 15000) - 10000) // 12)  # Slurm's derived ports (15000-34999) stay clear too
+    return range(10000 + index * span, 10000 + (index + 1) * span)
+
+
+_PORTS = _worker_ports()
+_next_port = 0
+
+
+def free_port() -> int:
+    """A port for the code under test to listen on that no other test can be handed while this test runs: each
+    test worker draws from its own range in turn (a test worker runs one test at a time), skipping any port
+    that something still holds."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"every port of this test worker's range {_PORTS} is held")
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -102,12 +147,18 @@ def assert_user_error(proc, *fragments: str) -> str:
     return errors[0]
 
 
+def _join_group(rank: int, world_size: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+
+
 def _group_entry(rank: int, world_size: int, init_file: str, fn, args, results) -> None:
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        _join_group(rank, world_size, init_file)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -116,11 +167,148 @@ def _group_entry(rank: int, world_size: int, init_file: str, fn, args, results) 
             dist.destroy_process_group()
 
 
-def run_group(fn, world_size: int, *args, timeout: float = 120):
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _pool_rank(rank: int, world_size: int, tasks, results) -> None:
+    """One rank of a RankPool: torch imported once, then each task in a fresh gloo group and a reset process."""
+    _die_with_parent()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    seed, signals = torch.initial_seed(), {s: signal.getsignal(s) for s in _RESET_SIGNALS}
+    while (task := tasks.get()) is not None:
+        init_file, fn, args = task
+        environ, cwd, argv = dict(os.environ), os.getcwd(), list(sys.argv)
+        torch.manual_seed(seed)  # the default generator as a fresh process has it
+        try:
+            _join_group(rank, world_size, init_file)
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+        finally:  # what a test may have changed in this process, undone before the next one
+            runtime = sys.modules.get("ddpkit.distributed.runtime")
+            if runtime is not None:
+                runtime.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(environ)
+            os.chdir(cwd)
+            sys.argv[:] = argv
+            torch.use_deterministic_algorithms(False)
+            torch.set_num_threads(1)
+            for sig, handler in signals.items():
+                signal.signal(sig, handler)
+
+
+_RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+class RankPool:
+    """`world_size` processes started once per test worker, each with torch imported, that run one test's
+    function after another, each time in a fresh gloo group (as torch's MultiProcContinuousTest keeps its
+    ranks): a test pays for joining a group, not for starting processes and importing torch. After each
+    function a rank leaves the group and undoes what a test may change in its process (environment, working
+    folder, argv, signal handlers, the default random generator, deterministic mode); a pool in which any
+    rank failed or stalled is ended, and the next test starts a new one."""
+
+    def __init__(self, world_size: int):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_pool_rank, args=(r, world_size, self.tasks[r], self.results), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args: tuple, timeout: float) -> list:
+        with tempfile.TemporaryDirectory() as tmp:
+            for q in self.tasks:
+                q.put((os.path.join(tmp, "rdzv"), fn, args))
+            return _collect_ranks(self.results, self.world_size, timeout, self.alive)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pools():
+    yield
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _collect_ranks(results, world_size: int, timeout: float, alive=lambda: True) -> list:
+    """Every rank's (status, value) from the results queue, in rank order; AssertionError naming the first
+    rank that failed, or what it waited for when the ranks went silent for `timeout` s."""
+    import queue as queue_module
+
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue_module.Empty:
+            if time.monotonic() > deadline or not alive():
+                missing = sorted(set(range(world_size)) - set(out))
+                why = f"silent for {timeout:.0f} s" if alive() else "a rank died"
+                raise AssertionError(f"ranks {missing} gave no result ({why})") from None
+            continue
+        if status == "error":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        out[rank] = value
+        deadline = time.monotonic() + timeout
+    return [out[r] for r in range(world_size)]
+
+
+def run_group(fn, world_size: int, *args, timeout: float = 120, fresh: bool = False):
     """Run fn(rank, world_size, *args) on `world_size` real processes joined in a gloo group; results by rank.
 
-    fn must be importable (defined at module level); its return value must pickle.
+    fn must be importable (defined at module level); its return value must pickle. The processes are this
+    test worker's RankPool of that size (started once, reused by every test); `fresh=True` starts new ones
+    for this call alone (a test of what a new process does).
     """
+    if not fresh:
+        pool = _pool(world_size)
+        try:
+            return pool.run(fn, args, timeout)
+        except BaseException:
+            _POOLS.pop(world_size, None)  # a rank failed or stalled: the next test gets new processes
+            pool.close()
+            raise
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -133,19 +321,13 @@ def run_group(fn, world_size: int, *args, timeout: float = 120):
         ]
         for p in procs:
             p.start()
-        out = {}
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
-                if status == "error":
-                    raise AssertionError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
+            return _collect_ranks(results, world_size, timeout)
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    return [out[r] for r in range(world_size)]
 
 
 @pytest.fixture
@@ -283,6 +465,17 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
         out, err = proc.communicate()
         raise AssertionError(f"run hung:\n{err[-3000:]}") from None
     return proc.returncode, out, err
+
+
+def within(seconds: float, predicate) -> bool:
+    """Whether predicate() comes true within `seconds` (polled): a test waits on the event, never for a fixed
+    time that a busy machine may not be enough for or that a quiet one wastes."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def wait_for(predicate, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, free_port
 from ddpkit import errors
-from ddpkit.launcher.launch import free_port
 
 DOCS = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
 PROGRAMS = {

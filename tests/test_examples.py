@@ -23,6 +23,7 @@ from conftest import (
     check_ok,
     cli_env,
     doc_commands,
+    free_port,
     run_doc,
     runs_doc,
     torchrun_args,
@@ -31,7 +32,6 @@ from conftest import (
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.cluster.env import slurm_port
 from ddpkit.config import load_config
-from ddpkit.launcher.launch import free_port
 
 EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py"))

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 from ddpkit.train.metrics import read_metrics
 
 PACKAGE = """
@@ -202,7 +202,6 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
     import sys
 
     from conftest import cli_env
-    from ddpkit.launcher.launch import free_port
 
     install_extensions(tmp_path / "site")
     port = str(free_port())

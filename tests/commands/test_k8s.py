@@ -162,18 +162,19 @@ def run_pod(tmp_path: Path, m: dict, **env: str) -> subprocess.Popen:
 @pytest.mark.parametrize(("code", "pod_exit"), [("0", 0), ("1", 1), ("2", 2), ("3", 143)])
 def test_the_pod_exits_with_what_the_restart_policy_needs(tmp_path, capsys, code, pod_exit):
     proc = run_pod(tmp_path, manifest(capsys), FAKE_EXIT=code)
-    assert proc.wait(timeout=30) == pod_exit, proc.communicate()
+    assert proc.wait(timeout=300) == pod_exit, proc.communicate()
 
 
 def test_sigterm_to_the_pod_reaches_ddpkit_and_the_pod_asks_to_be_restarted(tmp_path, capsys):
     started = tmp_path / "started"
     proc = run_pod(tmp_path, manifest(capsys), FAKE_STARTED=str(started))
-    deadline = time.monotonic() + 30
+    # waits on events, bounded only to end a broken run: a busy machine may be slow to reach them
+    deadline = time.monotonic() + 300
     while not started.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # what the kubelet sends to the container's PID 1 on eviction
-    assert proc.wait(timeout=30) == 143, proc.communicate()
+    assert proc.wait(timeout=300) == 143, proc.communicate()
 
 
 @pytest.mark.parametrize(

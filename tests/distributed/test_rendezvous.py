@@ -9,11 +9,10 @@ import time
 
 import pytest
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import assert_user_error, cli_env, free_port, run_cli
 from ddpkit.cluster.env import DistEnv, manual_env
 from ddpkit.distributed.rendezvous import layout, probe_window
 from ddpkit.errors import UserError
-from ddpkit.launcher.launch import free_port
 
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

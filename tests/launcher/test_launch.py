@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from conftest import assert_user_error, cli_env, run_cli
-from ddpkit.launcher.launch import free_port, worker_argv
+from conftest import assert_user_error, cli_env, free_port, run_cli
+from ddpkit.launcher.launch import worker_argv
 
 LINE = re.compile(r"rank=(\d+) local_rank=(\d+) world_size=(\d+) host=(\S+) backend=(\S+) device=(\S+)")
 

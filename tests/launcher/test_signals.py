@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, finish, start, wait_for
+from conftest import cli_env, finish, start, wait_for, within
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.launcher.signals import worker_pids
 from ddpkit.train.metrics import read_metrics
@@ -134,7 +134,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker_alive(tmp_path, what):
     assert len(worker_pids(proc.pid)) == 2, (below, log.read_text())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    time.sleep(5)
+    within(5, lambda: not any(alive(p) for p in below))
     left = [p for p in below if alive(p)]
     for p in left:  # do not leave them running after a failed check
         os.kill(p, signal.SIGKILL)
@@ -162,8 +162,7 @@ def test_a_second_sigint_to_the_launcher_kills_the_workers_at_once(tmp_path):
     os.kill(proc.pid, signal.SIGINT)
     rc, _, err = finish(proc, timeout=60)
     assert rc == 130 and "ddpkit: interrupted" in err, err[-3000:]
-    time.sleep(1)
-    assert not [p for p in below if alive(p)]
+    assert within(1, lambda: not [p for p in below if alive(p)])
 
 
 AFTER_A_LAUNCH = r"""

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
-from ddpkit.launcher.launch import free_port
+from conftest import cli_env, free_port
 
 from .helpers import PY, tail
 from .infra import NetnsPair, NetworkUnavailable, Session, make_pair, sweep

@@ -22,7 +22,6 @@ from ddpkit.launcher.launch import (
     _ended_by_us,
     _failure,
     _launched,
-    free_port,
     set_thread_env,
 )
 from ddpkit.launcher.peers import name_lost_nodes, watch
@@ -154,8 +153,10 @@ def _rendezvous(spec: LaunchSpec) -> tuple[str, str, str, dict]:
             # on every node: let each round start a fresh store instead of sharing the agent's (runtime.py).
             os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return backend, endpoint, run_id, configs
-    if spec.nnodes == 1 and spec.master_port is None:  # like torchrun --standalone: a free port
-        return "c10d", f"localhost:{free_port()}", str(uuid.uuid4()), {"timeout": spec.rdzv_timeout}
+    if spec.nnodes == 1 and spec.master_port is None:
+        # like torchrun --standalone: the agent's store listens on a port the OS gives it (port 0), so no port
+        # is chosen first and then lost to another job starting at the same moment
+        return "c10d", "localhost:0", str(uuid.uuid4()), {"timeout": spec.rdzv_timeout}
     # static rendezvous, as torchrun with --master-addr/--master-port/--node-rank
     endpoint = f"{spec.master_addr or '127.0.0.1'}:{spec.master_port or 29500}"
     return "static", endpoint, "ddpkit", {"rank": spec.node_rank, "timeout": spec.rdzv_timeout}

@@ -48,6 +48,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def host_store(host: str = "127.0.0.1") -> tuple[Any, dict[str, str]]:
+    """A TCPStore that this process serves on a port the OS gives it, for its local workers to join as clients,
+    as torch's elastic agent serves its workers: -> (the store, the variables that send the workers to it).
+    No port is chosen first and then lost to another job starting at the same moment."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, {
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
 def set_thread_env(nproc: int) -> None:
     """As torchrun does: several CPU workers on one node must not each start a thread per core."""
     if "OMP_NUM_THREADS" not in os.environ:
@@ -150,10 +164,11 @@ def launch_spawn(
     nproc = spec.nproc_per_node or 1
     set_thread_env(nproc)
     addr = spec.master_addr or "127.0.0.1"
-    port = spec.master_port or (free_port() if spec.nnodes == 1 else 29500)
+    store, rendezvous = None, {"MASTER_ADDR": addr, "MASTER_PORT": str(spec.master_port or 29500)}
+    if spec.nnodes == 1 and spec.master_port is None:
+        store, rendezvous = host_store(addr)  # kept open until the workers are done
     env = {
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": str(port),
+        **rendezvous,
         "WORLD_SIZE": str(nproc * spec.nnodes),
         "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": str(spec.node_rank),
@@ -179,3 +194,5 @@ def launch_spawn(
                 r for r, c in failed.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
             )
             raise stacks.job_failure(_failure(failed, 0, forwarder.signum, ours, script), ranks) from None
+        finally:
+            del store  # every worker is gone: stop serving

@@ -34,7 +34,7 @@ def _interactive(fn: Callable[..., Any]) -> bool:
 def _worker(
     rank: int,
     nprocs: int,
-    port: int,
+    rendezvous: dict[str, str],
     fn: Callable[..., Any],
     args: tuple,
     options: dict[str, Any],
@@ -43,8 +43,9 @@ def _worker(
     from ddpkit.cluster.env import DistEnv, torch_variables
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
+    port = int(rendezvous["MASTER_PORT"])
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
-    os.environ.update(torch_variables(env), **{channels.LAUNCHER: "spawn"})
+    os.environ.update(torch_variables(env), **rendezvous, **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     from ddpkit.diagnostics import stacks
 
@@ -77,7 +78,7 @@ def launch(
     """
     import torch.multiprocessing as mp
 
-    from ddpkit.launcher.launch import free_port
+    from ddpkit.launcher.launch import host_store
 
     if not isinstance(nprocs, int) or nprocs < 1:
         raise UserError(f"ddpkit.launch: nprocs must be a whole number >= 1, got {nprocs!r}", "e.g. nprocs=2")
@@ -95,9 +96,9 @@ def launch(
     ctx = mp.get_context(method)
     results = ctx.Queue()
     options = {"backend": backend, "device": device, "timeout_s": timeout_s}
-    port = free_port()
+    store, rendezvous = host_store()  # the workers' store, kept open until they are done
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, options, results), daemon=False)
+        ctx.Process(target=_worker, args=(r, nprocs, rendezvous, fn, args, options, results), daemon=False)
         for r in range(nprocs)
     ]
     for p in procs:
@@ -113,6 +114,7 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # every worker is gone: stop serving
 
 
 def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
