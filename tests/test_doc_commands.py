@@ -456,7 +456,11 @@ def test_make_test_runs_this_suite():
     proc = subprocess.run(
         ["make", "--no-print-directory", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True
     )
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m pytest tests"
+    words = proc.stdout.splitlines()[-1].split()
+    assert words[:4] == [".venv/bin/python", "-m", "pytest", "tests"]  # the whole suite: no -m, -k or path
+    assert not {"-m", "-k", "-x"} & set(words[4:]) and not [w for w in words[4:] if w.startswith("tests")]
+    # on parallel workers, the serial group together, ending with the 20 slowest tests
+    assert "-n 2 --dist loadgroup" in " ".join(words) and "--durations=20" in words
 
 
 # ---------------------------------------------------------------------------------- (a) the lines run here

@@ -43,6 +43,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _start_time(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22); -1 if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL what is still there after `grace` seconds."""
     for pid in pids:
@@ -77,9 +85,22 @@ class Session:
     @classmethod
     def create(cls) -> Session:
         STATE_ROOT.mkdir(parents=True, exist_ok=True)
-        folder = STATE_ROOT / f"{os.getpid()}-{secrets.token_hex(3)}"  # the owner's pid in the name
-        folder.mkdir()
-        return cls(folder)
+        name = f"{os.getpid()}-{secrets.token_hex(3)}"  # the owner's pid in the name
+        making = STATE_ROOT / f".{name}"  # not a session folder until it holds its owner's start time
+        making.mkdir()
+        (making / "owner").write_text(str(_start_time(os.getpid())))  # tells the owner from a reused pid
+        making.rename(STATE_ROOT / name)
+        return cls(STATE_ROOT / name)
+
+    def owner_alive(self) -> bool:
+        """Whether the process that made this session still runs: its pid, started when the owner started
+        (a pytest process, or a pytest-xdist worker, whose command line does not say pytest)."""
+        if not (self.owner and _alive(self.owner)):
+            return False
+        try:
+            return int((self.dir / "owner").read_text()) == _start_time(self.owner)
+        except (OSError, ValueError):  # a folder of an older session: its command line must say pytest
+            return "pytest" in _cmdline(self.owner)
 
     @property
     def owner(self) -> int:
@@ -132,10 +153,13 @@ def sweep() -> list[str]:
     if not STATE_ROOT.is_dir():
         return removed
     for folder in sorted(STATE_ROOT.iterdir()):
+        if folder.name.startswith("."):  # a session folder being made (it holds no resource yet)
+            pid = folder.name[1:].split("-", 1)[0]
+            if not (pid.isdigit() and _alive(int(pid))):
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
         session = Session(folder)
-        if folder.is_dir() and not (
-            session.owner and _alive(session.owner) and "pytest" in _cmdline(session.owner)
-        ):
+        if folder.is_dir() and not session.owner_alive():
             removed += session.cleanup()
     return removed
 
