@@ -91,7 +91,7 @@ def piped(pp: int, schedule: str) -> dict:
     losses = []
     for x, y in train:
         losses.append(float(model.step(x, y)))
-        model.clip_grad_norm(0.5)
+        ddpkit.clip_grad_norm_(model, 0.5)
         opt.step()
         opt.zero_grad()
     state = model.full_state()

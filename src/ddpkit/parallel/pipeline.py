@@ -172,16 +172,9 @@ class PipelineRunner:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += _local(torch.linalg.vector_norm(g.detach())).double() ** 2
-        dist.all_reduce(sq, group=self.pp_group)
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total.float()
+        from ddpkit.parallel.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm)
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, stage: int) -> None:

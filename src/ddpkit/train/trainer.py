@@ -29,6 +29,7 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
 from ddpkit.parallel import pipeline_trainer
+from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.train import optim
@@ -224,9 +225,10 @@ class Trainer:
             self.memory.before_step(self.model)
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                # a pipeline's norm is over every stage's gradients
-                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_grad_norm
-                clip(self.cfg.train.clip_grad_norm)
+                # the norm over every gradient of every layout (a pipeline's: over every stage)
+                clip_grad_norm_(
+                    self.pipeline.runner if self.pipeline else self.model, self.cfg.train.clip_grad_norm
+                )
             self.scaler.step(self.optimizer)
             self.memory.after_step(self.optimizer)
             self.scaler.update()
@@ -248,14 +250,6 @@ class Trainer:
             if self.counts:  # tensor-parallel peers computed the same numbers
                 self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
-
-    def _clip_grad_norm(self, max_norm: float) -> None:
-        if self.layout.tp > 1:  # gradients on several meshes: torch's clip cannot mix them
-            from ddpkit.parallel.mesh.tensor import clip_grad_norm_
-
-            clip_grad_norm_(self.model.parameters(), max_norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:

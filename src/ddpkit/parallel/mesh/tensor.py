@@ -100,25 +100,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None
         ) from None
 
 
-def clip_grad_norm_(parameters, max_norm: float):
-    """torch.nn.utils.clip_grad_norm_ for a model whose gradients mix DTensors of several meshes and plain
-    tensors (tensor parallel, with or without FSDP2 over dp): each gradient's norm taken whole, then one
-    coefficient for all. Returns the total norm before clipping."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        norm = torch.linalg.vector_norm(g, 2)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.detach().double().cpu() ** 2
-    total = total_sq.sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
-__all__ = ["apply_tensor_parallel", "clip_grad_norm_", "gpt_plan", "plan_for"]
+__all__ = ["apply_tensor_parallel", "gpt_plan", "plan_for"]
