@@ -122,6 +122,8 @@ def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_referen
     for r in ranks:  # exact evaluation, on every rank
         assert r["val_loss"] == pytest.approx(user_reference["val_loss"], rel=1e-5)
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches the first stage too
+    # the unported script's batches, in its order: the same loss at every step
+    assert ranks[0]["losses"] == pytest.approx(user_reference["losses"], rel=1e-5)
 
 
 def test_a_channels_last_conv_net_under_pp2_equals_its_single_process_run():
@@ -202,6 +204,10 @@ def test_prepare_refuses_a_split_that_is_not_the_models():
         check_split_names(user.TinyLM(), ["blocks.9"], 2)
     with pytest.raises(UserError, match="cut the model into 3 stage"):
         check_split_names(user.TinyLM(), ["blocks.1", "blocks.2"], 2)
+    with pytest.raises(UserError, match="lists 'blocks.1' after 'blocks.2'.* order the model's forward"):
+        check_split_names(user.TinyLM(), ["blocks.2", "blocks.1"], 3)
+    with pytest.raises(UserError, match="lists 'blocks.1.mlp' after 'blocks.1'"):
+        check_split_names(user.TinyLM(), ["blocks.1", "blocks.1.mlp"], 3)
 
 
 def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():

@@ -48,6 +48,14 @@ def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key
             f"but the pipeline runs {n_stages}",
             f"give {n_stages - 1} module name(s) where a new stage begins",
         )
+    order = list(modules)  # registration order: the order a forward of a stack of blocks reaches them
+    for before, after in zip(names, names[1:], strict=False):
+        if after == before or after.startswith(before + ".") or order.index(after) < order.index(before):
+            raise UserError(
+                f"{key} lists '{after}' after '{before}', but it does not begin a later stage of "
+                f"{type(model).__name__} ({'the same module' if after == before else 'it comes first or inside it'})",
+                "list the split points in the order the model's forward reaches them, each once",
+            )
 
 
 def _trace(model: nn.Module, names: Sequence[str], example: tuple):

@@ -126,7 +126,8 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
         if obj is models[0]:
             ready.append(piped)
         elif isinstance(obj, DataLoader | DistributedLoader):
-            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world))
+            # one replica reads the user's own order (torch's global random stream), as one process does
+            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world, plain_rng=world == 1))
         else:
             ready.append(obj)
     return ready[0] if len(ready) == 1 else ready

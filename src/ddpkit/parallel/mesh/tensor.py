@@ -88,7 +88,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None
     # DTensor warns at every 2-D (dp x tp) gather that two collectives run where one could: a cost note, per
     # step, on every rank; the layout is the user's choice, so it is not repeated into their log
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    plan = plan_for(model, tp_mesh.size()) if plan is None else plan
+    if plan is None:
+        plan = plan_for(model, tp_mesh.size())
+    else:
+        from ddpkit.parallel.mesh.tp_plan import check_plan
+
+        check_plan(model, plan, tp_mesh.size())
     try:
         return parallelize_module(model, tp_mesh, plan)
     except (ValueError, KeyError, AttributeError, RuntimeError) as e:
