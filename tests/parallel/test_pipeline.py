@@ -222,7 +222,7 @@ def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(4 * 36, 5)
     )
     x = torch.randn(4, 3, 8, 8)
-    stages, twins = traced_stages(model, ["2"], (x,), [0, 1])
+    stages, twins, _ = traced_stages(model, ["2"], (x,), [0, 1])
     stages[1](stages[0](x))  # a training forward: the running statistics move, in the model's own buffers
     assert float(model[1].running_mean.abs().sum()) > 0
 

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def _parameters_and_group(model_or_parameters: Any) -> tuple[list[torch.Tensor], Any]:
-    """(this rank's parameters, the process group whose ranks hold the other parts of the model: a pipeline's
-    stages; None when this rank's parameters are the whole model)."""
+def _parameters_and_group(model_or_parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+    """(this rank's parameters, those its part of the norm counts: a parameter several pipeline ranks share on
+    one of them only, the process group whose ranks hold the other parts of the model: a pipeline's stages;
+    None when this rank's parameters are the whole model)."""
     from ddpkit.parallel.pipeline import PipelineRunner
     from ddpkit.parallel.pipeline_api import PipelineModel
 
@@ -36,12 +37,14 @@ def _parameters_and_group(model_or_parameters: Any) -> tuple[list[torch.Tensor],
             )
         target = target.runner
     if isinstance(target, PipelineRunner):
-        return target.parameters(), target.pp_group
+        return target.parameters(), target.norm_parameters(), target.pp_group
     if isinstance(target, torch.Tensor):
-        return [target], None
-    if isinstance(target, nn.Module):
-        return list(target.parameters()), None
-    return list(target), None
+        params = [target]
+    elif isinstance(target, nn.Module):
+        params = list(target.parameters())
+    else:
+        params = list(target)
+    return params, params, None
 
 
 def _group_key(g: torch.Tensor) -> Any:
@@ -66,8 +69,8 @@ def total_norm(
 ) -> torch.Tensor:
     """The norm of all the gradients of `model_or_parameters` together (see the module's docstring), a plain
     float32 tensor, the same on every rank. Collective when the model is sharded, split or a pipeline."""
-    params, group = _parameters_and_group(model_or_parameters)
-    return _total(params, group, float(norm_type), foreach)
+    _, counted, group = _parameters_and_group(model_or_parameters)
+    return _total(counted, group, float(norm_type), foreach)
 
 
 def _total(params: list[torch.Tensor], group: Any, norm_type: float, foreach: bool | None) -> torch.Tensor:
@@ -107,8 +110,8 @@ def clip_grad_norm_(
     """Scale the gradients of a model (plain, DDP, FSDP, tensor-parallel, a pipeline from prepare(pp=...)) or of
     an iterable of parameters so that their joint norm is at most `max_norm`; returns the norm before clipping,
     the same on every rank (torch.nn.utils.clip_grad_norm_'s arguments and result)."""
-    params, group = _parameters_and_group(model_or_parameters)
-    norm = _total(params, group, float(norm_type), foreach)
+    params, counted, group = _parameters_and_group(model_or_parameters)
+    norm = _total(counted, group, float(norm_type), foreach)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "

@@ -85,7 +85,7 @@ class PipelineModel:
                 )
             self.batch = len(x) // self.microbatches * self.microbatches
             example = (x[: self.batch // self.microbatches].to(self.device),)
-            stages, eval_stages = traced_stages(self.model, self.names, example, ids)
+            stages, eval_stages, shared = traced_stages(self.model, self.names, example, ids)
             self.runner = PipelineRunner(
                 stages,
                 schedule=self.schedule,
@@ -95,6 +95,7 @@ class PipelineModel:
                 dp_group=mesh["dp"].get_group(),
                 device=self.device,
                 eval_stages=eval_stages,
+                shared=shared,
             )
         return self.runner
 

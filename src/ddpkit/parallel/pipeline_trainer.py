@@ -41,12 +41,13 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
     ids = stage_ids(coords["pp"], d.pp, d.pp_schedule)
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = eval_stages = None
+    shared: list = []
     if cfg.model.arch == "gpt":
         stages = [gpt_stage(model, s, n_stages, copy_model=len(ids) > 1) for s in ids]
     else:  # a ResNet: traced on one micro-batch of images, so every batch through it has that size
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
-        stages, eval_stages = traced_stages(model, resnet_splits(n_stages), example, ids)
+        stages, eval_stages, shared = traced_stages(model, resnet_splits(n_stages), example, ids)
     if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
@@ -62,6 +63,7 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         autocast=autocast,
         counts=coords["tp"] == 0,
         eval_stages=eval_stages,
+        shared=shared,
     )
     return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
 
