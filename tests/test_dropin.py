@@ -265,6 +265,8 @@ def _mnist_patterns():
     # GPU setting: the test loader is shuffled (1001 samples, batch 1000)
     net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True))
     out["shuffled_test"] = count(net, test, train=False)
+    with torch.no_grad():  # a test loop that forgot model.eval(): the pass under no_grad evaluates
+        out["shuffled_test_no_grad_train_mode"] = count(net, test, train=True)
     net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True), roles=["eval"])
     out["shuffled_test_said_eval"] = count(net, test, train=False)
     # CPU setting: the training loader is unshuffled (129 samples, batch 64)
@@ -304,6 +306,7 @@ def test_prepare_refuses_a_guessed_role_used_the_other_way_and_counts_once_when_
     for r in mnist_patterns:
         assert "guessed to be for training" in r["shuffled_test"] and "roles=" in r["shuffled_test"]
         assert r["shuffled_test_said_eval"] == 1001  # every test sample once
+        assert r["shuffled_test_no_grad_train_mode"] == 1001  # under torch.no_grad() too, in train mode
         assert "prepared for evaluation" in r["unshuffled_train"] and "roles=" in r["unshuffled_train"]
         assert r["unshuffled_train_said_train_steps"] == [2, 2]  # even shards: 65 samples each, 2 batches
 

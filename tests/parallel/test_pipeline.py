@@ -12,6 +12,7 @@ in-process in well under a second each. Measured: 395 s at load average 17 (othe
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ TINY = [
     "optim.ref_batch_size=8",  # lr 0.5 as it is (the global batch is 8): 6 steps move the weights well
     "train.clip_grad_norm=0.5",
     "train.max_steps=6",
+    "train.log_every=2",  # a progress line every 2 steps: the loss it shows is checked
     "train.epochs=1",
     "report.curves=false",
 ]
@@ -101,8 +103,27 @@ def test_ddpkit_train_under_a_pipeline_equals_the_single_process_run(layout, ref
     assert run["row"]["val_loss"] == pytest.approx(reference["row"]["val_loss"], rel=1e-4)
     assert run["row"]["train_loss"] == pytest.approx(reference["row"]["train_loss"], rel=1e-4)
     assert f"global batch {GLOBAL_BATCH} " in run["log"]
+    # rank 0 runs the first stage: its progress line shows the last stage's loss, the one-process run's
+    assert _progress(run["log"]) == _progress(reference["log"])
     # rank 0 holds its stages only: at most 0.8 of the whole model's parameter bytes (the issue's bound)
     assert run["row"]["param_bytes_per_rank"] <= 0.8 * reference["row"]["param_bytes_per_rank"]
+
+
+def _progress(log: str) -> dict[int, str]:
+    """{step: the loss its progress line shows}."""
+    shown = {int(step): loss for step, loss in re.findall(r"== step: \[\s*(\d+)/\d+\].*\| loss: (\S+)", log)}
+    assert shown and "nan" not in shown.values(), log[-2000:]
+    return shown
+
+
+def test_the_progress_line_of_a_pipeline_shows_the_loss_also_after_a_resume(reference, tmp_path, text_file):
+    out = tmp_path / "run"
+    _train(out, text_file, "dist.pp=2", f"train.batch_size={GLOBAL_BATCH}", "train.max_steps=3", nproc=2)
+    resumed = _train(out, text_file, "dist.pp=2", f"train.batch_size={GLOBAL_BATCH}", nproc=2)
+    assert "resum" in resumed["log"].lower()
+    shown = _progress(resumed["log"])
+    assert set(shown) == {4, 6}  # the steps after the resume, each the epoch's running loss so far
+    assert shown == {k: v for k, v in _progress(reference["log"]).items() if k in shown}
 
 
 # ---------------------------------------------------------------------------- a user's model through prepare

@@ -30,6 +30,21 @@ class PipelineParts:
     coords: dict
     modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
+    shown: Any = None  # a rank without the last stage: the epoch's loss for its progress line (begin_epoch)
+
+    def begin_epoch(self, sums) -> None:
+        """The progress line's sums of a rank that runs no last stage: the loss the last stage computed (step()
+        gives it to every rank), from the epoch's start or from the partial sums a resume restored (`sums`)."""
+        if self.runner.last:
+            return
+        from ddpkit.train.metrics import RunningSums
+
+        self.shown = RunningSums(sums.t.device, accuracy=False)
+        self.shown.t[0::2] += sums.t[0::2]  # loss sum and count; no accuracy without the output
+
+    def progress_sums(self, sums):
+        """What this rank's progress line shows: its own sums, or those of the loss the last stage gave it."""
+        return sums if self.shown is None else self.shown
 
 
 def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
@@ -78,6 +93,8 @@ def forward_backward(trainer, micro_batches) -> None:
         loss, out = parts.runner.step(x, y)
         if out is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
+        elif parts.shown is not None:  # a counted unit: a sample, or a language model's token
+            parts.shown.count(loss, 0, y.shape[0] if trainer.state.accuracy else y.numel())
         trainer.nonfinite.see(loss)
 
 

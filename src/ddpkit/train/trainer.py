@@ -184,6 +184,8 @@ class Trainer:
         reached; returns (loss, acc1, samples) of the epoch over all ranks."""
         cfg, state, accum = self.cfg, self.state, self.cfg.train.grad_accum_steps
         state.begin_epoch(epoch)
+        if self.pipeline is not None:
+            self.pipeline.begin_epoch(state.sums)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
@@ -194,7 +196,12 @@ class Trainer:
                     self.startup = startup.measure()
                     self.log.info(startup.describe(self.startup))
                 self.log.step(
-                    done, self.steps_per_epoch, epoch, cfg.train.epochs, state.sums, cfg.train.log_every
+                    done,
+                    self.steps_per_epoch,
+                    epoch,
+                    cfg.train.epochs,
+                    self.pipeline.progress_sums(state.sums) if self.pipeline else state.sums,
+                    cfg.train.log_every,
                 )
                 if done % cfg.train.log_every == 0:
                     self.nonfinite.check(state.step)
