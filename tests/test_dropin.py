@@ -123,6 +123,28 @@ def test_exit_3_passes_through_and_no_group_warning(tmp_path):
     assert "WORLD_SIZE=2" in warnings[0] and "init_process_group" in warnings[0]
 
 
+UNSHUFFLED_TRAIN_SCRIPT = """
+import torch, ddpkit
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 2, (9,))), batch_size=2)
+model, opt, loader = ddpkit.prepare(model, opt, loader)
+for x, y in loader:
+    nn.functional.cross_entropy(model(x), y).backward()
+"""
+
+
+def test_a_refusal_inside_a_script_is_one_line_for_the_job(tmp_path):
+    """prepare()'s refusal of an unshuffled training loader, raised on every rank of a script under `ddpkit
+    run`: one `ddpkit: error:` line (no traceback per rank), exit 2."""
+    _write(tmp_path, "unshuffled.py", UNSHUFFLED_TRAIN_SCRIPT)
+    proc = run_cli("run", "--nproc-per-node", "2", "unshuffled.py", cwd=tmp_path, timeout=400)
+    assert_user_error(proc, "a loader prepared for evaluation (guessed from shuffle=False)", "roles=")
+
+
 def test_spawn_runs_guardless_dataloader_script_one_traceback_no_leftovers(tmp_path):
     """`--launcher spawn` with a guard-less script whose DataLoader has 2 workers: it runs (the launcher's start
     method does not leak into the DataLoader), the failing rank's full traceback is printed once, and no process

@@ -73,7 +73,9 @@ def _check(
                 f"if it is the training loader, {_HINT} (or shuffle=True); if it evaluates, call model.eval() first",
             )
         if loader_role == "train" and not explicit and not torch.is_grad_enabled():
-            return True  # under torch.no_grad() a pass evaluates, whatever the model's mode: every sample once
+            return (
+                True  # under torch.no_grad() a pass evaluates, whatever the model's mode: every sample once
+            )
         if loader_role == "train" and not training and not explicit:
             raise UserError(
                 "ddpkit.prepare: a loader guessed to be for training (shuffle=True or drop_last=True) is iterated "
