@@ -26,11 +26,19 @@ class Net(nn.Module):
         self.h = nn.ModuleList(
             nn.ModuleDict({"attn": Attention(d), "fc": nn.Linear(d, 4 * d)}) for _ in range(2)
         )
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied
 
 
-def _refused(plan: dict, tp: int = 2) -> str:
+class Untied(Net):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(32, 10, bias=False)
+
+
+def _refused(plan: dict, tp: int = 2, model: type = Net) -> str:
     with pytest.raises(UserError) as e:
-        check_plan(Net(), plan, tp)
+        check_plan(model(), plan, tp)
     line = e.value.line()
     assert line.startswith("ddpkit.prepare: tp_plan entry ") and "\n" not in line
     return line
@@ -38,7 +46,7 @@ def _refused(plan: dict, tp: int = 2) -> str:
 
 def test_a_plan_that_fits_passes():
     check_plan(
-        Net(),
+        Untied(),
         {
             "h.*.attn.c_attn": FusedColwiseParallel(chunks=3),
             "h.*.attn.c_proj": RowwiseParallel(),
@@ -59,7 +67,7 @@ def test_a_split_that_does_not_divide_the_layer_is_named():
     assert "splits h.0.fc.out_features=128 over tp=3 ranks, which does not divide it" in _refused(
         {"h.*.fc": ColwiseParallel()}, tp=3
     )
-    assert "splits wte.num_embeddings=10 over tp=4 ranks" in _refused({"wte": RowwiseParallel()}, tp=4)
+    assert "splits wte.num_embeddings=10 over tp=4 ranks" in _refused({"wte": RowwiseParallel()}, 4, Untied)
     assert "in 3 chunks" in _refused({"h.*.attn.c_attn": FusedColwiseParallel(chunks=3)}, tp=3)
 
 
@@ -67,3 +75,9 @@ def test_a_fused_qkv_linear_under_a_plain_column_split_is_refused_with_the_head_
     line = _refused({"h.*.attn.c_attn": ColwiseParallel()})
     assert "splits h.0.attn.c_attn (32 -> 96: q, k and v in one Linear) into contiguous blocks" in line
     assert "FusedColwiseParallel(chunks=3)" in line
+
+
+def test_a_plan_that_would_untie_a_shared_weight_is_refused():
+    line = _refused({"head": ColwiseParallel()})
+    assert "'head' splits head.weight, which the model shares with wte.weight (tied weights)" in line
+    assert "leave the modules of head.weight and wte.weight out of the plan" in line

@@ -2,9 +2,10 @@
 a fused projection (q, k and v in one Linear) head-wise.
 
 torch's parallelize_module warns and goes on when a plan's name matches nothing (the model then runs fully
-replicated), shards a layer unevenly when tp does not divide it, and splits a fused q/k/v Linear into contiguous
-row blocks (rank 0 gets all of q and half of k): each of these is one `ddpkit: error:` line here, naming the
-entry and the fix, before the first step.
+replicated), shards a layer unevenly when tp does not divide it, unties a weight shared by two modules (a token
+embedding and the head) when it splits one of them, and splits a fused q/k/v Linear into contiguous row blocks
+(rank 0 gets all of q and half of k): each of these is one `ddpkit: error:` line here, naming the entry and the
+fix, before the first step.
 
     plan = {
         "transformer.h.*.attn.c_attn": FusedColwiseParallel(chunks=3),   # each rank its heads of q, k and v
@@ -95,12 +96,32 @@ def _split_size(style: Any, module: nn.Module) -> tuple[str, int] | None:
     return None
 
 
+def _tied(model: nn.Module) -> dict[int, list[str]]:
+    """{id(parameter): its names} of each parameter the model holds under several names."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
 def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "ddpkit.prepare") -> None:
-    """Every entry of `plan` names a module of `model`, splits it evenly over `tp` ranks, and does not cut a
-    fused q/k/v projection into contiguous blocks; a UserError naming the first entry that fails."""
+    """Every entry of `plan` names a module of `model`, splits it evenly over `tp` ranks, leaves tied weights
+    alone and does not cut a fused q/k/v projection into contiguous blocks; a UserError naming the first entry
+    that fails."""
     names = [n for n, _ in model.named_modules() if n]
+    tied = _tied(model)
     for entry, style in plan.items():
         found = _matches(model, entry)
+        for name, module in found:
+            shared = [tied[id(p)] for p in module.parameters(recurse=False) if id(p) in tied]
+            if shared:
+                mine = next(n for n in shared[0] if n.rpartition(".")[0] == name)
+                others = ", ".join(n for n in shared[0] if n != mine)
+                raise UserError(
+                    f"{where}: tp_plan entry '{entry}' splits {mine}, which the model shares with {others} (tied "
+                    "weights): split, it would no longer be the same tensor",
+                    f"leave the modules of {mine} and {others} out of the plan",
+                )
         if not found:
             close = difflib.get_close_matches(entry, names, n=1)
             raise UserError(
