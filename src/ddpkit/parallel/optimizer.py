@@ -74,8 +74,8 @@ def check_kept(old: torch.optim.Optimizer, new: torch.optim.Optimizer, where: st
                 "prepare() from the model it returns",
             )
     for key, value in vars(old).items():  # a subclass's own settings (self.k = k), kept beside the groups
-        if key.startswith("_") or key in ("defaults", "state", "param_groups"):
-            continue
+        if key.startswith("_") or key in ("defaults", "state", "param_groups") or callable(value):
+            continue  # torch's own bookkeeping, and methods patched onto the instance (an LR scheduler's step)
         other = vars(new).get(key, _MISSING)
         if other is _MISSING or type(other) is not type(value) or not _same(value, other):
             raise UserError(
