@@ -13,7 +13,10 @@
 Every rank calls the same methods with the same batches (the loaders prepare() returns give the ranks of one
 pipeline the same samples). The model is cut by torch's pipeline tracer where each module of `pp_split`
 begins, on the first batch it sees; each rank keeps the stages it runs. The optimizer stays the user's: the
-parameters of stages this rank does not run get no gradient, so it leaves them alone.
+parameters of stages this rank does not run get no gradient, so it leaves them alone. A parameter that stages of
+several ranks use (a token embedding tied to the output head) is the model's own in each of them, its gradient
+summed over those ranks after every step(), so each rank's copy takes the one-process update
+(pipeline_split.retie). Loaders of one replica (pp = world size) keep the user's own order.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 mesh, and the Strategy that checkpoints them in full-model form.
 
 The Trainer asks `build` for the parts, calls `forward_backward` instead of its own forward/backward,
-`PipelineRunner.clip_grad_norm` instead of torch's, and `evaluate` for exact
+`ddpkit.clip_grad_norm_` (parallel/clip.py: over every stage) instead of torch's, and `evaluate` for exact
 validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
 optimizer state keyed by those names (parallel/stage_state.py), so they load into any layout.
 """
