@@ -63,21 +63,25 @@ def model_and_data():
 
 
 def single() -> dict:
-    """The one-process run on the same global batches: ddpkit's seeded global order, one rank."""
+    """The unported one-process run: a plain DataLoader's own random order (one pipeline replica keeps it)."""
     model, opt, train, val = model_and_data()
-    # in one process prepare() keeps a plain DataLoader's own random order (the unported script's); the
-    # pipeline's ranks read ddpkit's seeded global order, so the reference reads that order too
-    train = ddpkit.distributed_loader(train.dataset, BATCH, shuffle=True, seed=0, drop_last=True)
     model, opt, val = ddpkit.prepare(model, opt, val)
+    losses = []
     for x, y in train:
-        lm_loss(model(x), y).backward()
+        loss = lm_loss(model(x), y)
+        losses.append(float(loss.detach()))
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
         n = sum(len(y) for _, y in val)
         val_loss = sum(float(lm_loss(model(x), y)) * len(y) for x, y in val) / n
-    return {"state": {k: v.numpy() for k, v in model.state_dict().items()}, "val_loss": val_loss}
+    return {
+        "state": {k: v.numpy() for k, v in model.state_dict().items()},
+        "val_loss": val_loss,
+        "losses": losses,
+    }
 
 
 def piped(pp: int, schedule: str) -> dict:
@@ -91,7 +95,7 @@ def piped(pp: int, schedule: str) -> dict:
     losses = []
     for x, y in train:
         losses.append(float(model.step(x, y)))
-        model.clip_grad_norm(0.5)
+        ddpkit.clip_grad_norm_(model, 0.5)
         opt.step()
         opt.zero_grad()
     state = model.full_state()
@@ -125,7 +129,7 @@ def conv_model_and_data():
 
 def conv_single() -> dict:
     model, opt, train, val = conv_model_and_data()
-    train = ddpkit.distributed_loader(train, BATCH, shuffle=True, seed=0, drop_last=True)
+    train = DataLoader(train, BATCH, shuffle=True, drop_last=True)  # the unported order, which pp keeps
     for x, y in train:
         F.cross_entropy(model(x), y).backward()
         opt.step()

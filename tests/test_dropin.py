@@ -123,6 +123,28 @@ def test_exit_3_passes_through_and_no_group_warning(tmp_path):
     assert "WORLD_SIZE=2" in warnings[0] and "init_process_group" in warnings[0]
 
 
+UNSHUFFLED_TRAIN_SCRIPT = """
+import torch, ddpkit
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 2, (9,))), batch_size=2)
+model, opt, loader = ddpkit.prepare(model, opt, loader)
+for x, y in loader:
+    nn.functional.cross_entropy(model(x), y).backward()
+"""
+
+
+def test_a_refusal_inside_a_script_is_one_line_for_the_job(tmp_path):
+    """prepare()'s refusal of an unshuffled training loader, raised on every rank of a script under `ddpkit
+    run`: one `ddpkit: error:` line (no traceback per rank), exit 2."""
+    _write(tmp_path, "unshuffled.py", UNSHUFFLED_TRAIN_SCRIPT)
+    proc = run_cli("run", "--nproc-per-node", "2", "unshuffled.py", cwd=tmp_path, timeout=400)
+    assert_user_error(proc, "a loader prepared for evaluation (guessed from shuffle=False)", "roles=")
+
+
 def test_spawn_runs_guardless_dataloader_script_one_traceback_no_leftovers(tmp_path):
     """`--launcher spawn` with a guard-less script whose DataLoader has 2 workers: it runs (the launcher's start
     method does not leak into the DataLoader), the failing rank's full traceback is printed once, and no process
@@ -265,6 +287,8 @@ def _mnist_patterns():
     # GPU setting: the test loader is shuffled (1001 samples, batch 1000)
     net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True))
     out["shuffled_test"] = count(net, test, train=False)
+    with torch.no_grad():  # a test loop that forgot model.eval(): the pass under no_grad evaluates
+        out["shuffled_test_no_grad_train_mode"] = count(net, test, train=True)
     net, test = ddpkit.prepare(model(), DataLoader(data(1001), batch_size=1000, shuffle=True), roles=["eval"])
     out["shuffled_test_said_eval"] = count(net, test, train=False)
     # CPU setting: the training loader is unshuffled (129 samples, batch 64)
@@ -304,6 +328,7 @@ def test_prepare_refuses_a_guessed_role_used_the_other_way_and_counts_once_when_
     for r in mnist_patterns:
         assert "guessed to be for training" in r["shuffled_test"] and "roles=" in r["shuffled_test"]
         assert r["shuffled_test_said_eval"] == 1001  # every test sample once
+        assert r["shuffled_test_no_grad_train_mode"] == 1001  # under torch.no_grad() too, in train mode
         assert "prepared for evaluation" in r["unshuffled_train"] and "roles=" in r["unshuffled_train"]
         assert r["unshuffled_train_said_train_steps"] == [2, 2]  # even shards: 65 samples each, 2 batches
 

@@ -12,6 +12,7 @@ in-process in well under a second each. Measured: 395 s at load average 17 (othe
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ TINY = [
     "optim.ref_batch_size=8",  # lr 0.5 as it is (the global batch is 8): 6 steps move the weights well
     "train.clip_grad_norm=0.5",
     "train.max_steps=6",
+    "train.log_every=2",  # a progress line every 2 steps: the loss it shows is checked
     "train.epochs=1",
     "report.curves=false",
 ]
@@ -101,8 +103,27 @@ def test_ddpkit_train_under_a_pipeline_equals_the_single_process_run(layout, ref
     assert run["row"]["val_loss"] == pytest.approx(reference["row"]["val_loss"], rel=1e-4)
     assert run["row"]["train_loss"] == pytest.approx(reference["row"]["train_loss"], rel=1e-4)
     assert f"global batch {GLOBAL_BATCH} " in run["log"]
+    # rank 0 runs the first stage: its progress line shows the last stage's loss, the one-process run's
+    assert _progress(run["log"]) == _progress(reference["log"])
     # rank 0 holds its stages only: at most 0.8 of the whole model's parameter bytes (the issue's bound)
     assert run["row"]["param_bytes_per_rank"] <= 0.8 * reference["row"]["param_bytes_per_rank"]
+
+
+def _progress(log: str) -> dict[int, str]:
+    """{step: the loss its progress line shows}."""
+    shown = {int(step): loss for step, loss in re.findall(r"== step: \[\s*(\d+)/\d+\].*\| loss: (\S+)", log)}
+    assert shown and "nan" not in shown.values(), log[-2000:]
+    return shown
+
+
+def test_the_progress_line_of_a_pipeline_shows_the_loss_also_after_a_resume(reference, tmp_path, text_file):
+    out = tmp_path / "run"
+    _train(out, text_file, "dist.pp=2", f"train.batch_size={GLOBAL_BATCH}", "train.max_steps=3", nproc=2)
+    resumed = _train(out, text_file, "dist.pp=2", f"train.batch_size={GLOBAL_BATCH}", nproc=2)
+    assert "resum" in resumed["log"].lower()
+    shown = _progress(resumed["log"])
+    assert set(shown) == {4, 6}  # the steps after the resume, each the epoch's running loss so far
+    assert shown == {k: v for k, v in _progress(reference["log"]).items() if k in shown}
 
 
 # ---------------------------------------------------------------------------- a user's model through prepare
@@ -122,6 +143,8 @@ def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_referen
     for r in ranks:  # exact evaluation, on every rank
         assert r["val_loss"] == pytest.approx(user_reference["val_loss"], rel=1e-5)
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches the first stage too
+    # the unported script's batches, in its order: the same loss at every step
+    assert ranks[0]["losses"] == pytest.approx(user_reference["losses"], rel=1e-5)
 
 
 def test_a_channels_last_conv_net_under_pp2_equals_its_single_process_run():
@@ -202,6 +225,10 @@ def test_prepare_refuses_a_split_that_is_not_the_models():
         check_split_names(user.TinyLM(), ["blocks.9"], 2)
     with pytest.raises(UserError, match="cut the model into 3 stage"):
         check_split_names(user.TinyLM(), ["blocks.1", "blocks.2"], 2)
+    with pytest.raises(UserError, match="lists 'blocks.1' after 'blocks.2'.* order the model's forward"):
+        check_split_names(user.TinyLM(), ["blocks.2", "blocks.1"], 3)
+    with pytest.raises(UserError, match="lists 'blocks.1.mlp' after 'blocks.1'"):
+        check_split_names(user.TinyLM(), ["blocks.1", "blocks.1.mlp"], 3)
 
 
 def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
@@ -216,7 +243,7 @@ def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(4 * 36, 5)
     )
     x = torch.randn(4, 3, 8, 8)
-    stages, twins = traced_stages(model, ["2"], (x,), [0, 1])
+    stages, twins, _ = traced_stages(model, ["2"], (x,), [0, 1])
     stages[1](stages[0](x))  # a training forward: the running statistics move, in the model's own buffers
     assert float(model[1].running_mean.abs().sum()) > 0
 

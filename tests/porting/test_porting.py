@@ -133,11 +133,24 @@ def test_unknown_strategy_and_two_models_are_refused():
         ddpkit.prepare(_tiny(), _tiny())
 
 
-def _train_with(strategy: str):
+OPTIMIZERS = {  # each family with two parameter groups (no weight decay on biases) and its own switches
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01, betas=(0.8, 0.99), foreach=False),
+}
+
+
+def _train_with(strategy: str, family: str):
     model = _tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = OPTIMIZERS[family](
+        [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+    )
     loader = DataLoader(Indexed(64), batch_size=4, shuffle=True)
     model, opt, loader = ddpkit.prepare(model, opt, loader, strategy=strategy)
+    groups = opt.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0], groups
+    assert all(g.get("nesterov", True) and g.get("betas", (0.8, 0.99)) == (0.8, 0.99) for g in groups)
     for x, y in loader:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x / 64), y).backward()
@@ -147,20 +160,26 @@ def _train_with(strategy: str):
     return {k: v.clone() for k, v in torch.load(path, weights_only=True)["model"].items()}
 
 
-def _train_with_each(strategies: tuple[str, ...]):
-    return {s: _train_with(s) for s in strategies}
+def _train_with_each(runs: tuple[tuple[str, str], ...]):
+    return {run: _train_with(*run) for run in runs}
+
+
+SHARDED = ("zero1", "zero2", "fsdp")
 
 
 @pytest.fixture(scope="module")
 def trained_with():
-    """Rank 0's weights after the same training under ddp, zero1 and fsdp, in turn on one 2-process group."""
-    return ddpkit.launch(_train_with_each, ("ddp", "zero1", "fsdp"), nprocs=2)[0]
+    """Rank 0's weights after the same training under ddp and each sharded strategy, with SGD and with AdamW
+    (param groups, hyper-parameters and switches of their own), in turn on one 2-process group."""
+    runs = tuple((s, f) for f in OPTIMIZERS for s in ("ddp", *SHARDED))
+    return ddpkit.launch(_train_with_each, runs, nprocs=2)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
-def test_sharded_strategies_rebuild_the_optimizer_and_train_like_ddp(trained_with, strategy):
-    ddp, sharded = trained_with["ddp"], trained_with[strategy]
+@pytest.mark.parametrize("family", list(OPTIMIZERS))
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_sharded_strategies_rebuild_the_optimizer_and_train_like_ddp(trained_with, strategy, family):
+    ddp, sharded = trained_with[("ddp", family)], trained_with[(strategy, family)]
     for k in ddp:
         assert torch.allclose(ddp[k], sharded[k], rtol=1e-5, atol=1e-6), (
             k,

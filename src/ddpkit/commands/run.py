@@ -136,6 +136,7 @@ def run_command(argv: Sequence[str]) -> int:
             return 128 + e.signum
         return Preempted.exit_code
     except WorkerFailure as e:
-        print(f"ddpkit: {e}", file=sys.stderr, flush=True)
+        # the script's own failure is `ddpkit: ...`; a ddpkit refusal inside it (exit 2) its error line
+        print(f"{e.prefix if e.exit_code == 2 else 'ddpkit: '}{e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0

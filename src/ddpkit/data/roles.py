@@ -5,8 +5,10 @@ training (padded, shuffled, even shards), unshuffled -> evaluation (every sample
 one sample). A guess is checked when the loader starts a pass: a guessed evaluation loader iterated while the
 model trains (its uneven shards would put DDP's all-reduces out of step), or a guessed training loader iterated
 while the model evaluates (its padding counts samples twice), raises before the first batch, saying how to state
-the role. An explicit evaluation loader iterated by a training model is refused too. One process has no uneven or
-padded shard, so nothing is checked there.
+the role. A guessed training loader iterated under torch.no_grad() evaluates, whatever the model's mode (a test
+loop that forgot model.eval()): that pass yields every sample once over the ranks, unpadded. An explicit
+evaluation loader iterated by a training model is refused too. One process has no uneven or padded shard, so
+nothing is checked there.
 
 Also: a loader prepare() already made is returned as it is (prepare twice is harmless), and a loader that
 already has a DistributedSampler for this world is accepted as it is.
@@ -18,6 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -56,11 +59,11 @@ def roles_for(objects: Sequence[Any], roles: Sequence[str] | None) -> list[str |
 def _check(
     loader_role: str, explicit: bool, world_size: int, model_ref: Callable[[], Any]
 ) -> Callable[[], None]:
-    def check() -> None:
+    def check() -> bool | None:
         model = model_ref()
         model = _LastModel.ref() if model is None else model
         if model is None or world_size == 1:  # one process: no shard is uneven or padded
-            return
+            return None
         training = bool(unwrap_module(model).training)  # `unwrap(model).eval()` counts as model.eval()
         if loader_role == "eval" and training:
             how = "guessed from shuffle=False" if not explicit else "roles= says so"
@@ -69,6 +72,10 @@ def _check(
                 "train mode; its uneven shards would put DDP's gradient all-reduces out of step",
                 f"if it is the training loader, {_HINT} (or shuffle=True); if it evaluates, call model.eval() first",
             )
+        if loader_role == "train" and not explicit and not torch.is_grad_enabled():
+            return (
+                True  # under torch.no_grad() a pass evaluates, whatever the model's mode: every sample once
+            )
         if loader_role == "train" and not training and not explicit:
             raise UserError(
                 "ddpkit.prepare: a loader guessed to be for training (shuffle=True or drop_last=True) is iterated "
@@ -76,6 +83,7 @@ def _check(
                 "evaluation would count some twice or miss some)",
                 f"if it evaluates, {_HINT} (or shuffle=False); if it trains, call model.train() first",
             )
+        return None
 
     return check
 

@@ -59,7 +59,8 @@ class GlobalOrderSampler(Sampler[int]):
         # process under prepare(): the same random stream as the user's own DataLoader); `drawn`: this pass's.
         self.draw_seed = False
         self.drawn: int | None = None
-        self.on_iter: Callable[[], None] | None = None  # a check before each pass (prepare()'s roles)
+        # a check before each pass (prepare()'s roles); True: this pass evaluates, every sample once
+        self.on_iter: Callable[[], bool | None] | None = None
         need = self.global_batch * self.grad_accum_steps if self.drop_last else self.world_size
         if self.dataset_len < need:
             accum = f" x train.grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
@@ -141,11 +142,12 @@ class GlobalOrderSampler(Sampler[int]):
         return self.global_order()[self.start + self.rank : end : self.world_size].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        if self.on_iter is not None:
-            self.on_iter()
+        once = bool(self.on_iter()) if self.on_iter is not None else False
         resuming = self.start and self.start_epoch == self.epoch and self.drawn is not None
         if self.draw_seed and self.shuffle and not resuming:
             self.drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        if once:  # an evaluation pass (the check said so): every sample once over the ranks, no padding
+            return iter(self.global_order()[: self.dataset_len][self.rank :: self.world_size].tolist())
         return iter(self.indices())
 
     def __len__(self) -> int:

@@ -10,7 +10,8 @@
   work (runtime.EXIT_DRAIN_S).
 
 Before that, a worker the launcher started itself arranges to die with the launcher (signals.die_with_launcher).
-The script's exit status is the process's: its SystemExit code, 1 after an uncaught exception (with the
+The script's exit status is the process's: its SystemExit code, 2 after a ddpkit refusal it did not catch (one
+`ddpkit: error:` line, said once for the job by the launcher), 1 after any other uncaught exception (with the
 traceback from the script's own frames, as Python prints it), or death by the signal that ended it.
 """
 
@@ -80,6 +81,21 @@ def _report(e: BaseException) -> None:
     sys.stderr.flush()
 
 
+def _user_error(e: BaseException) -> int | None:
+    """A ddpkit refusal that the script did not catch (prepare()'s checks, a loader's role): one
+    `ddpkit: error:` line for the job, as ddpkit's own commands give it (the launcher says it once), exit 2."""
+    from ddpkit.errors import UserError
+
+    if not isinstance(e, UserError):
+        return None
+    from ddpkit.diagnostics import stacks
+
+    line = f"ddpkit: error: {e.line()}"
+    if not stacks.say_error(line):
+        print(line, file=sys.stderr, flush=True)
+    return e.exit_code
+
+
 def run_spawned(target: list[str]) -> int:
     """The script in a worker that torch.multiprocessing.spawn started: the platform's own start method for the
     script's processes (a DataLoader's workers must not inherit spawn's), its traceback printed here."""
@@ -89,6 +105,9 @@ def run_spawned(target: list[str]) -> int:
     try:
         return run_released(target)
     except Exception as e:
+        code = _user_error(e)
+        if code is not None:
+            return code
         _report(e)
         return 1
 
@@ -108,6 +127,9 @@ def main(argv: list[str]) -> int:
     try:
         return run_released(argv)
     except Exception as e:
+        code = _user_error(e)
+        if code is not None:
+            return code
         _report(e)
         return 1
 

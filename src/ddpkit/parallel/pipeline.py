@@ -101,6 +101,7 @@ class PipelineRunner:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         counts: bool = True,
         eval_stages: Sequence[nn.Module] | None = None,
+        shared: Sequence = (),
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -114,6 +115,9 @@ class PipelineRunner:
         self.device = device or torch.device("cpu")
         self.autocast, self.counts = autocast, counts
         self.first, self.last = 0 in self.ids, self.n_stages - 1 in self.ids
+        # parameters used by stages of several ranks (pipeline_split.Shared): their gradients summed over those
+        # ranks after each backward, so every copy takes the one-process update
+        self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
         self.wrapped = [self._wrap(m) for m in self.stages]
         pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
@@ -168,20 +172,32 @@ class PipelineRunner:
             else torch.zeros((), device=self.device)
         )
         dist.broadcast(loss, src=self._owner(self.n_stages - 1), group=self.pp_group)
+        self._sum_shared_grads()
         return loss, (_local(out).detach() if self.last and out is not None else None)
+
+    def _uses(self, shared) -> bool:
+        return any(sid in self.ids for sid in shared.stages)
+
+    def _sum_shared_grads(self) -> None:
+        """Each shared parameter's gradient: the sum of the stages' parts that use it, on every rank holding it."""
+        for s in self.shared:
+            p = s.param
+            grad = p.grad if self._uses(s) and p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=self.pp_group)
+            if self._uses(s):
+                p.grad = grad
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters with a shared one counted on the first rank that uses it only (what the
+        pipeline's gradient norm sums over its ranks)."""
+        skip = {id(s.param) for s in self.shared if min(sid % self.pp for sid in s.stages) != self.pp_rank}
+        return [p for p in self.parameters() if id(p) not in skip]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += _local(torch.linalg.vector_norm(g.detach())).double() ** 2
-        dist.all_reduce(sq, group=self.pp_group)
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total.float()
+        from ddpkit.parallel.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm)
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, stage: int) -> None:
@@ -222,7 +238,10 @@ class PipelineRunner:
         if self.eval_stages is None:
             return self.stages[k](h)
         stage = self.stages[k]
-        tensors = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+        tensors = {
+            **dict(stage.named_parameters(remove_duplicate=False)),
+            **dict(stage.named_buffers(remove_duplicate=False)),
+        }
         return torch.func.functional_call(self.eval_stages[k], tensors, (h,))
 
     @torch.no_grad()

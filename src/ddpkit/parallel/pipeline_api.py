@@ -13,7 +13,10 @@
 Every rank calls the same methods with the same batches (the loaders prepare() returns give the ranks of one
 pipeline the same samples). The model is cut by torch's pipeline tracer where each module of `pp_split`
 begins, on the first batch it sees; each rank keeps the stages it runs. The optimizer stays the user's: the
-parameters of stages this rank does not run get no gradient, so it leaves them alone.
+parameters of stages this rank does not run get no gradient, so it leaves them alone. A parameter that stages of
+several ranks use (a token embedding tied to the output head) is the model's own in each of them, its gradient
+summed over those ranks after every step(), so each rank's copy takes the one-process update
+(pipeline_split.retie). Loaders of one replica (pp = world size) keep the user's own order.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class PipelineModel:
                 )
             self.batch = len(x) // self.microbatches * self.microbatches
             example = (x[: self.batch // self.microbatches].to(self.device),)
-            stages, eval_stages = traced_stages(self.model, self.names, example, ids)
+            stages, eval_stages, shared = traced_stages(self.model, self.names, example, ids)
             self.runner = PipelineRunner(
                 stages,
                 schedule=self.schedule,
@@ -95,6 +98,7 @@ class PipelineModel:
                 dp_group=mesh["dp"].get_group(),
                 device=self.device,
                 eval_stages=eval_stages,
+                shared=shared,
             )
         return self.runner
 

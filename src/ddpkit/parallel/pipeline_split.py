@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -48,6 +49,14 @@ def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key
             f"but the pipeline runs {n_stages}",
             f"give {n_stages - 1} module name(s) where a new stage begins",
         )
+    order = list(modules)  # registration order: the order a forward of a stack of blocks reaches them
+    for before, after in zip(names, names[1:], strict=False):
+        if after == before or after.startswith(before + ".") or order.index(after) < order.index(before):
+            raise UserError(
+                f"{key} lists '{after}' after '{before}', but it does not begin a later stage of "
+                f"{type(model).__name__} ({'the same module' if after == before else 'it comes first or inside it'})",
+                "list the split points in the order the model's forward reaches them, each once",
+            )
 
 
 def _trace(model: nn.Module, names: Sequence[str], example: tuple):
@@ -71,15 +80,75 @@ def _trace(model: nn.Module, names: Sequence[str], example: tuple):
 
 def traced_stages(
     model: nn.Module, names: Sequence[str], example: tuple, wanted: Sequence[int]
-) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(training stages, evaluation stages) `wanted` of `model`, cut where each module of `names` begins by
+) -> tuple[list[nn.Module], list[nn.Module], list[Shared]]:
+    """(training stages, evaluation stages, shared parameters) `wanted` of `model`, cut where each module of `names` begins by
     torch's pipeline tracer on one example micro-batch. The training stages share the model's parameters and
     buffers under their full names. The tracer fixes train/eval behaviour (dropout, BatchNorm) into the graph,
     so the evaluation stages are traced from an eval-mode copy; evaluation runs them on the training stages'
     tensors (torch.func.functional_call)."""
     twin = _trace(copy.deepcopy(model).eval(), names, example)  # first: tracing marks the model it traced
+    shared = shared_parameters(model)
     pipe = _trace(model.train(), names, example)
-    return [pipe.get_stage_module(i) for i in wanted], [twin.get_stage_module(i) for i in wanted]
+    stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    tied = retie(stages, wanted, shared)
+    return [stages[i] for i in wanted], [twin.get_stage_module(i) for i in wanted], tied
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A parameter the model uses under several names (a token embedding tied to the output head), and the
+    pipeline stages whose forward uses it."""
+
+    param: nn.Parameter
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+def shared_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, tuple[str, ...]]]:
+    """{id: (parameter, its names)} of each parameter the model holds under more than one name."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return {k: (params[k], tuple(v)) for k, v in names.items() if len(v) > 1}
+
+
+def _used_names(module: nn.Module, prefix: str = "") -> set[str]:
+    """The full names of the parameters and buffers a traced stage's graph reads (through its nested graphs)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:  # a module the tracer kept whole: all of its tensors
+        return {prefix + n for n, _ in module.named_parameters(remove_duplicate=False)}
+    used: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            used.add(prefix + str(node.target))
+        elif node.op == "call_module":
+            used |= _used_names(module.get_submodule(str(node.target)), f"{prefix}{node.target}.")
+    return used
+
+
+def retie(stages: Sequence[nn.Module], wanted: Sequence[int], shared: dict) -> list[Shared]:
+    """torch's tracer gives each stage that uses a shared parameter its own copy, which the user's optimizer does
+    not hold: in the stages `wanted` here every copy is replaced by the model's own parameter (one tensor, one
+    gradient summed over this rank's stages, the optimizer's); returns each shared parameter with the stages
+    that use it, whose ranks sum its gradient (PipelineRunner)."""
+    used = [_used_names(stage) for stage in stages]
+    out = []
+    for param, names in shared.values():
+        users = tuple(i for i, u in enumerate(used) if any(n in u for n in names))
+        for i in wanted:
+            for name in names:
+                path, _, attr = name.rpartition(".")
+                try:
+                    owner = stages[i].get_submodule(path) if path else stages[i]
+                except AttributeError:
+                    continue
+                if isinstance(getattr(owner, attr, None), nn.Parameter):
+                    setattr(owner, attr, param)
+        if users:
+            out.append(Shared(param, names, users))
+    return out
 
 
 def owned_parameters(stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:

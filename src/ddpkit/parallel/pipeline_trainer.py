@@ -2,7 +2,7 @@
 mesh, and the Strategy that checkpoints them in full-model form.
 
 The Trainer asks `build` for the parts, calls `forward_backward` instead of its own forward/backward,
-`PipelineRunner.clip_grad_norm` instead of torch's, and `evaluate` for exact
+`ddpkit.clip_grad_norm_` (parallel/clip.py: over every stage) instead of torch's, and `evaluate` for exact
 validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
 optimizer state keyed by those names (parallel/stage_state.py), so they load into any layout.
 """
@@ -30,6 +30,21 @@ class PipelineParts:
     coords: dict
     modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
+    shown: Any = None  # a rank without the last stage: the epoch's loss for its progress line (begin_epoch)
+
+    def begin_epoch(self, sums) -> None:
+        """The progress line's sums of a rank that runs no last stage: the loss the last stage computed (step()
+        gives it to every rank), from the epoch's start or from the partial sums a resume restored (`sums`)."""
+        if self.runner.last:
+            return
+        from ddpkit.train.metrics import RunningSums
+
+        self.shown = RunningSums(sums.t.device, accuracy=False)
+        self.shown.t[0::2] += sums.t[0::2]  # loss sum and count; no accuracy without the output
+
+    def progress_sums(self, sums):
+        """What this rank's progress line shows: its own sums, or those of the loss the last stage gave it."""
+        return sums if self.shown is None else self.shown
 
 
 def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
@@ -41,12 +56,13 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
     ids = stage_ids(coords["pp"], d.pp, d.pp_schedule)
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = eval_stages = None
+    shared: list = []
     if cfg.model.arch == "gpt":
         stages = [gpt_stage(model, s, n_stages, copy_model=len(ids) > 1) for s in ids]
     else:  # a ResNet: traced on one micro-batch of images, so every batch through it has that size
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
-        stages, eval_stages = traced_stages(model, resnet_splits(n_stages), example, ids)
+        stages, eval_stages, shared = traced_stages(model, resnet_splits(n_stages), example, ids)
     if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
@@ -62,6 +78,7 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         autocast=autocast,
         counts=coords["tp"] == 0,
         eval_stages=eval_stages,
+        shared=shared,
     )
     return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
 
@@ -76,6 +93,8 @@ def forward_backward(trainer, micro_batches) -> None:
         loss, out = parts.runner.step(x, y)
         if out is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
+        elif parts.shown is not None:  # a counted unit: a sample, or a language model's token
+            parts.shown.count(loss, 0, y.shape[0] if trainer.state.accuracy else y.numel())
         trainer.nonfinite.see(loss)
 
 

@@ -22,6 +22,7 @@ from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.data.roles import prepare_loader, remember_model, roles_for
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
+from ddpkit.parallel.optimizer import rebuild_optimizer
 from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
 
 
@@ -60,13 +61,10 @@ def _rebuilt_optimizer(
             "ddpkit.prepare: the optimizer holds parameters that are not the model's",
             "build the optimizer from model.parameters() before prepare()",
         )
-    groups = []
-    for g in old.param_groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**hyper, "params": [after[position[id(p)]] for p in g["params"]]})
+    groups = [[after[position[id(p)]] for p in g["params"]] for g in old.param_groups]
 
     def factory(_model: nn.Module) -> torch.optim.Optimizer:
-        return type(old)(groups, **{k: v for k, v in old.defaults.items() if k not in ("differentiable",)})
+        return rebuild_optimizer(old, groups, f"ddpkit.prepare(strategy='{strategy.name}')")
 
     return strategy.build_optimizer(model, factory)
 
@@ -128,7 +126,8 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
         if obj is models[0]:
             ready.append(piped)
         elif isinstance(obj, DataLoader | DistributedLoader):
-            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world))
+            # one replica reads the user's own order (torch's global random stream), as one process does
+            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world, plain_rng=world == 1))
         else:
             ready.append(obj)
     return ready[0] if len(ready) == 1 else ready

@@ -29,6 +29,7 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
 from ddpkit.parallel import pipeline_trainer
+from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.train import optim
@@ -183,6 +184,8 @@ class Trainer:
         reached; returns (loss, acc1, samples) of the epoch over all ranks."""
         cfg, state, accum = self.cfg, self.state, self.cfg.train.grad_accum_steps
         state.begin_epoch(epoch)
+        if self.pipeline is not None:
+            self.pipeline.begin_epoch(state.sums)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
@@ -193,7 +196,12 @@ class Trainer:
                     self.startup = startup.measure()
                     self.log.info(startup.describe(self.startup))
                 self.log.step(
-                    done, self.steps_per_epoch, epoch, cfg.train.epochs, state.sums, cfg.train.log_every
+                    done,
+                    self.steps_per_epoch,
+                    epoch,
+                    cfg.train.epochs,
+                    self.pipeline.progress_sums(state.sums) if self.pipeline else state.sums,
+                    cfg.train.log_every,
                 )
                 if done % cfg.train.log_every == 0:
                     self.nonfinite.check(state.step)
@@ -224,9 +232,10 @@ class Trainer:
             self.memory.before_step(self.model)
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                # a pipeline's norm is over every stage's gradients
-                clip = self.pipeline.runner.clip_grad_norm if self.pipeline else self._clip_grad_norm
-                clip(self.cfg.train.clip_grad_norm)
+                # the norm over every gradient of every layout (a pipeline's: over every stage)
+                clip_grad_norm_(
+                    self.pipeline.runner if self.pipeline else self.model, self.cfg.train.clip_grad_norm
+                )
             self.scaler.step(self.optimizer)
             self.memory.after_step(self.optimizer)
             self.scaler.update()
@@ -248,14 +257,6 @@ class Trainer:
             if self.counts:  # tensor-parallel peers computed the same numbers
                 self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
-
-    def _clip_grad_norm(self, max_norm: float) -> None:
-        if self.layout.tp > 1:  # gradients on several meshes: torch's clip cannot mix them
-            from ddpkit.parallel.mesh.tensor import clip_grad_norm_
-
-            clip_grad_norm_(self.model.parameters(), max_norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:

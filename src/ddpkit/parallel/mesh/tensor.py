@@ -88,7 +88,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None
     # DTensor warns at every 2-D (dp x tp) gather that two collectives run where one could: a cost note, per
     # step, on every rank; the layout is the user's choice, so it is not repeated into their log
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    plan = plan_for(model, tp_mesh.size()) if plan is None else plan
+    if plan is None:
+        plan = plan_for(model, tp_mesh.size())
+    else:
+        from ddpkit.parallel.mesh.tp_plan import check_plan
+
+        check_plan(model, plan, tp_mesh.size())
     try:
         return parallelize_module(model, tp_mesh, plan)
     except (ValueError, KeyError, AttributeError, RuntimeError) as e:
@@ -100,25 +105,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, Any] | None
         ) from None
 
 
-def clip_grad_norm_(parameters, max_norm: float):
-    """torch.nn.utils.clip_grad_norm_ for a model whose gradients mix DTensors of several meshes and plain
-    tensors (tensor parallel, with or without FSDP2 over dp): each gradient's norm taken whole, then one
-    coefficient for all. Returns the total norm before clipping."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        norm = torch.linalg.vector_norm(g, 2)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.detach().double().cpu() ** 2
-    total = total_sq.sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
-__all__ = ["apply_tensor_parallel", "clip_grad_norm_", "gpt_plan", "plan_for"]
+__all__ = ["apply_tensor_parallel", "gpt_plan", "plan_for"]

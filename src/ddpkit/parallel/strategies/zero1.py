@@ -10,25 +10,21 @@ class Zero1Strategy(DDPStrategy):
     name = "zero1"
 
     def build_optimizer(self, model, factory):
+        """The factory's optimizer as a ZeroRedundancyOptimizer: its class, its parameter groups with their
+        hyper-parameters and its constructor's switches, each rank holding the state of its part."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        from ddpkit.parallel.optimizer import check_kept, constructor_kwargs
+
         template = factory(model)
-        return ZeroRedundancyOptimizer(
-            model.parameters(),
+        zero = ZeroRedundancyOptimizer(
+            [dict(g) for g in template.param_groups],
             optimizer_class=type(template),
             process_group=self.dp_group,
-            **constructor_defaults(template),
+            **constructor_kwargs(template),
         )
-
-
-def constructor_defaults(optimizer) -> dict:
-    """The optimizer's hyper-parameters that its class's constructor takes (AdamW's defaults also hold
-    `decoupled_weight_decay`, which AdamW() refuses), less the implementation switches."""
-    import inspect
-
-    takes = inspect.signature(type(optimizer).__init__).parameters
-    skip = ("differentiable", "foreach", "fused")
-    return {k: v for k, v in optimizer.defaults.items() if k in takes and k not in skip}
+        check_kept(template, zero.optim, f"dist.strategy={self.name}")
+        return zero
 
 
 def _recognizes(model, optimizer) -> bool:

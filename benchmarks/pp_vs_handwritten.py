@@ -1,0 +1,114 @@
+"""`ddpkit.prepare(model, pp=2, ...)` beside a hand-written torch.distributed.pipelining loop on the same GPT:
+tokens/s of training steps and the time to the first step, 2 processes (gloo), Schedule1F1B, 4 micro-batches.
+
+The hand-written pipeline cuts the model at a module boundary by hand (each rank keeps its half of the blocks
+and deletes the rest: ddpkit's own GPT recipe, parallel/pipeline_split.gpt_stage) and runs the stages eagerly;
+prepare() cuts a user's model with torch's tracer, whose stages run through torch.fx's interpreter. Both train
+the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the two runs take turns in one process group.
+
+    python benchmarks/pp_vs_handwritten.py                  # n_layer 4, n_embd 128, block 64, batch 16
+    python benchmarks/pp_vs_handwritten.py --steps 40 --n-embd 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.models.gpt import GPT, lm_loss
+
+
+def _setup(args):
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (args.batch, args.block), generator=g)
+    return model, x, torch.roll(x, -1, dims=1)
+
+
+def _handwritten(args):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from ddpkit.parallel.pipeline_split import gpt_stage
+
+    model, x, y = _setup(args)
+    rank = dist.get_rank()
+    stage = gpt_stage(model, rank, 2)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    schedule = Schedule1F1B(PipelineStage(stage, rank, 2, torch.device("cpu")), 4, loss_fn=lm_loss)
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _ported(args):
+    model, x, y = _setup(args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = ddpkit.prepare(
+        model, pp=2, pp_split=[f"blocks.{args.n_layer // 2}"], loss_fn=lm_loss, pp_microbatches=4
+    )
+
+    def step():
+        model.step(x, y)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _measure(args) -> dict:
+    out = {}
+    for name, make in (("handwritten", _handwritten), ("prepare", _ported)) * args.rounds:
+        dist.barrier()
+        t0 = time.perf_counter()
+        step = make(args)
+        step()
+        dist.barrier()
+        first = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+        row = out.setdefault(name, {"tokens_per_s": [], "first_step_s": []})
+        row["tokens_per_s"].append(args.batch * args.block / statistics.median(times))
+        row["first_step_s"].append(first)
+    return {k: {m: round(statistics.median(v), 3) for m, v in row.items()} for k, row in out.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the two runs (medians reported)")
+    args = p.parse_args()
+    result = ddpkit.launch(_measure, args, nprocs=2)[0]
+    result["prepare/handwritten tokens/s"] = round(
+        result["prepare"]["tokens_per_s"] / result["handwritten"]["tokens_per_s"], 3
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
