@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ddpkit.distributed.runtime import DistContext, init_distributed, shutdown
     from ddpkit.launcher.spawn import launch
     from ddpkit.models import read_weights
+    from ddpkit.models.loading import load_model
     from ddpkit.porting import prepare, unwrap
     from ddpkit.porting.state import load_state, save_state
     from ddpkit.train.optim import scaled_lr
@@ -66,6 +67,7 @@ _LAZY = {
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
     "read_weights": "ddpkit.models",
+    "load_model": "ddpkit.models.loading",
     "scaled_lr": "ddpkit.train.optim",
 }
 
