@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_in_process, run_cli, run_clis
+from conftest import REPO, assert_user_error, cli_in_process, run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,9 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints(runs):
+def test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints(
+    runs, capsys
+):
     bpe, _, _, _ = runs
     from tokenizers import Tokenizer
 
@@ -91,13 +93,20 @@ def test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sha
     assert tok.get_vocab_size() == 256 and (bpe / "checkpoints" / "best.dcp").is_dir()
     side = load_checkpoint(bpe / "checkpoints" / "best.dcp")  # the tokenizer travels with each checkpoint too
     assert side["tokenizer"] == (bpe / "tokenizer.json").read_text()
-    # the docs' two lines, with absolute paths (run_clis runs here) and 12 new tokens; the seed varied below
+    # the docs' two lines, in this process with absolute paths and 12 new tokens; the seed varied below
     here = {"runs/bpe": str(bpe), "runs/bpe/checkpoints/last.dcp": str(bpe / "checkpoints" / "last.dcp")}
     greedy = [here.get(w, w) for w in doc_line("ddpkit generate runs/bpe ")] + ["--max-new-tokens", "12"]
     seeded = [here.get(w, w) for w in doc_line("ddpkit generate runs/bpe/")] + ["--max-new-tokens", "12"]
     seeded = seeded[: seeded.index("--seed")] + seeded[seeded.index("--seed") + 2 :]
-    one, two, s1, s1b, s2 = run_clis(
-        greedy, greedy, [*seeded, "--seed", "1"], [*seeded, "--seed", "1"], [*seeded, "--seed", "2"]
+    one, two, s1, s1b, s2 = (
+        cli_in_process(capsys, *argv)
+        for argv in (
+            greedy,
+            greedy,
+            [*seeded, "--seed", "1"],
+            [*seeded, "--seed", "1"],
+            [*seeded, "--seed", "2"],
+        )
     )
     for proc in (one, two, s1, s1b, s2):
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -218,3 +227,34 @@ def test_bad_inputs_of_generate_export_and_load_model_are_one_line(tmp_path, cap
     (odd / "model.safetensors").write_bytes(b"\0" * 10)
     with pytest.raises(UserError, match="cannot read"):
         read_tensors(odd)
+
+
+def test_init_from_refuses_a_folder_of_another_shape_or_kind_in_one_line(tmp_path):
+    from ddpkit import models
+    from ddpkit.config import load_config
+    from ddpkit.errors import UserError
+    from ddpkit.models.gpt import GPT
+    from ddpkit.models.llama import Llama
+    from ddpkit.models.loading import init_from
+
+    tiny_gpt2(tmp_path / "gpt2", 50)  # GPT-2's tanh GELU and tied head
+    folder = str(tmp_path / "gpt2")
+    with pytest.raises(UserError, match="gelu_approximate=tanh"):
+        init_from(GPT(50, 16, n_layer=1, n_head=2, n_embd=16), folder)
+    with pytest.raises(UserError, match="has n_embd=16 but this config gives 32"):
+        init_from(GPT(50, 16, 1, 2, 32, gelu_approximate="tanh", tie_embeddings=True), folder)
+    with pytest.raises(UserError, match=r"tensor tok_emb.weight is \(50, 16\) but this model's is \(60, 16\)"):
+        init_from(GPT(60, 16, 1, 2, 16, gelu_approximate="tanh", tie_embeddings=True), folder)
+    with pytest.raises(UserError, match="holds a gpt model, not a Llama"):
+        init_from(Llama(50, 16, n_layer=1, n_head=2, n_embd=16), folder)
+    init_from(model := GPT(50, 16, 1, 2, 16, gelu_approximate="tanh", tie_embeddings=True), folder)
+    assert model.head.weight is model.tok_emb.weight
+    for bad, fragment in (
+        ([f"model.init_from={tmp_path}"], "is not a Hugging Face folder"),
+        (
+            ["model.arch=mlp", "data.dataset=digits", f"model.init_from={folder}"],
+            "needs model.arch=gpt or llama",
+        ),
+    ):
+        with pytest.raises(UserError, match=fragment):
+            models.check_arch(load_config(None, ["model.arch=gpt", "data.dataset=text", *bad]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GPT_RUN, assert_user_error, gpt_train, run_cli
+from conftest import GPT_RUN, assert_user_error, cli_in_process, gpt_train
 from ddpkit.errors import UserError
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def test_unsupported_llama_settings_are_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gpt_text, tmp_path):
+def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gpt_text, tmp_path, capsys):
     from ddpkit.checkpoint import load_checkpoint
 
     gpt_train(tmp_path / "one", gpt_text, 1, *LLAMA[len(GPT_RUN) :], "train.max_steps=6")
@@ -73,7 +73,7 @@ def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gp
         (["dist.pp=2"], "model.arch=llama has no pipeline split"),
         (["model.tie_embeddings=true", "dist.tp=2"], "model.tie_embeddings=true is not supported"),
     ):
-        proc = run_cli("train", f"out_dir={tmp_path / 'bad'}", f"data.root={gpt_text}", *LLAMA, *bad,
-                       "--nproc-per-node", "2")  # fmt: skip
+        argv = ["train", f"out_dir={tmp_path / 'bad'}", f"data.root={gpt_text}", *LLAMA, *bad]
+        proc = cli_in_process(capsys, *argv, "--nproc-per-node", "2")  # refused before any worker starts
         assert_user_error(proc, fragment)
         assert not (tmp_path / "bad").exists()
