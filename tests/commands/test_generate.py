@@ -243,7 +243,9 @@ def test_init_from_refuses_a_folder_of_another_shape_or_kind_in_one_line(tmp_pat
         init_from(GPT(50, 16, n_layer=1, n_head=2, n_embd=16), folder)
     with pytest.raises(UserError, match="has n_embd=16 but this config gives 32"):
         init_from(GPT(50, 16, 1, 2, 32, gelu_approximate="tanh", tie_embeddings=True), folder)
-    with pytest.raises(UserError, match=r"tensor tok_emb.weight is \(50, 16\) but this model's is \(60, 16\)"):
+    with pytest.raises(
+        UserError, match=r"tensor tok_emb.weight is \(50, 16\) but this model's is \(60, 16\)"
+    ):
         init_from(GPT(60, 16, 1, 2, 16, gelu_approximate="tanh", tie_embeddings=True), folder)
     with pytest.raises(UserError, match="holds a gpt model, not a Llama"):
         init_from(Llama(50, 16, n_layer=1, n_head=2, n_embd=16), folder)

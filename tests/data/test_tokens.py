@@ -127,3 +127,7 @@ def test_bad_token_files_are_one_error_line(tmp_path, train, raw, overrides, fra
         data.check_available(cfg_of(tmp_path, "data.dataset=tokens", f"data.root={root}", *overrides))
     with pytest.raises(UserError, match="does not exist"):
         data.check_available(cfg_of(tmp_path, "data.dataset=tokens", f"data.root={tmp_path}"))
+    with pytest.raises(UserError, match="data.dataset=tokens is tokenized already"):
+        data.check_available(
+            cfg_of(tmp_path, "data.dataset=tokens", f"data.root={root}", "data.tokenizer=bpe")
+        )

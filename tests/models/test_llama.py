@@ -1,6 +1,7 @@
 """The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
 attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
-checkpointing equal to one process. Budget: about 40 s (two `ddpkit train` runs of 6 steps, one on 2 processes)."""
+checkpointing, and tied under FSDP, equal to one process. Budget: about 60 s (four `ddpkit train` runs of 6 steps,
+two on 2 processes)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def test_unsupported_llama_settings_are_one_line(tmp_path):
         load_model(tmp_path)
 
 
+def _last_weights(out) -> dict:
+    from ddpkit.checkpoint import load_checkpoint
+
+    return load_checkpoint(out / "checkpoints" / "last.pt")["model"]
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        scale = max(want[k].abs().max().item(), 1e-2)
+        assert (got[k] - want[k]).abs().max().item() <= 1e-4 * scale, k
+
+
+@pytest.mark.slow
+def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
+    # the head shares the token embedding: FSDP keeps the shared weight in the root's shard group, once
+    tied = [*LLAMA[len(GPT_RUN) :], "model.tie_embeddings=true", "train.max_steps=6"]
+    gpt_train(tmp_path / "one", gpt_text, 1, *tied)
+    gpt_train(tmp_path / "fsdp", gpt_text, 2, *tied, "dist.strategy=fsdp")
+    one, fsdp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "fsdp")
+    _assert_close(fsdp, one)
+    assert torch.equal(fsdp["head.weight"], fsdp["tok_emb.weight"])
+
+
 @pytest.mark.slow
 def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gpt_text, tmp_path, capsys):
     from ddpkit.checkpoint import load_checkpoint
@@ -60,13 +85,10 @@ def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gp
         tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2",
         "model.activation_checkpointing=full", dp=1,
     )  # fmt: skip
-    one, tp = (load_checkpoint(tmp_path / r / "checkpoints" / "last.pt")["model"] for r in ("one", "tp"))
-    assert set(one) == set(tp) and "blocks.1.mlp.gate.weight" in one
-    first = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")
-    assert first["config"]["model"]["arch"] == "llama"
-    for k in one:
-        scale = max(one[k].abs().max().item(), 1e-2)
-        assert (one[k] - tp[k]).abs().max().item() <= 1e-4 * scale, k
+    one, tp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "tp")
+    assert "blocks.1.mlp.gate.weight" in one
+    assert load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
+    _assert_close(tp, one)
     for bad, fragment in (
         (["model.n_kv_head=1", "dist.tp=2"], "model.n_kv_head=1 cannot be split over dist.tp=2"),
         (["model.n_kv_head=3"], "not a multiple of model.n_kv_head=3"),

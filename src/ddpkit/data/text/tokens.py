@@ -88,6 +88,11 @@ def _files(cfg: Config) -> tuple[list[tuple[np.ndarray, str]], int]:
 
 
 def _check(cfg: Config) -> None:
+    if cfg.data.tokenizer != "char":
+        raise UserError(
+            f"data.tokenizer={cfg.data.tokenizer} trains a tokenizer on text; data.dataset=tokens is tokenized already",
+            "leave data.tokenizer unset, and give the files' own tokenizer as data.tokenizer_file (for generate)",
+        )
     root = Path(os.path.expanduser(cfg.data.root))
     if not root.is_dir():
         raise UserError(f"data.root '{cfg.data.root}' is not a folder", f"data.dataset=tokens reads {LAYOUT}")
