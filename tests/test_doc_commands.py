@@ -73,6 +73,7 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
+LM_LOOP = "tests/commands/test_generate.py"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -140,6 +141,19 @@ COVERED = {
     ),
     "ddpkit report runs/text_gpt --out text_gpt.png": (
         "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
+    ),
+    # docs/language-model.md's loop: each line with a tiny model and text added (two runs shared by the tests)
+    "ddpkit train model.arch=gpt data.dataset=text data.tokenizer=bpe data.vocab_size=256 checkpoint.format=sharded "
+    "out_dir=runs/bpe --nproc-per-node 2": f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
+    'ddpkit generate runs/bpe --prompt "import os" --temperature 0': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
+    'ddpkit generate runs/bpe/checkpoints/last.dcp --prompt "import os" --temperature 1.5 --top-k 50 --seed 1': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
+    "ddpkit train model.arch=gpt data.dataset=tokens data.root=bins data.vocab_size=256 "
+    "data.tokenizer_file=runs/bpe/tokenizer.json model.init_from=gpt2-tiny model.gelu_approximate=tanh "
+    "model.tie_embeddings=true out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
+    "model.activation_checkpointing=full --nproc-per-node 2": (
+        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process"
     ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
@@ -361,7 +375,11 @@ def assert_parses(shown: str, words: list[str], launched_elsewhere: bool) -> Non
     from ddpkit.launcher.launch import spec_from_args
 
     try:
-        if COMMANDS[words[0]].mode == "script":
+        if COMMANDS[words[0]].mode == "script" and words[0] != "run":  # generate, export: their own flags
+            flags = words[1:]
+            parser = COMMANDS[words[0]].module.parser()
+            args = parser.parse_args(flags)
+        elif COMMANDS[words[0]].mode == "script":
             flags, target = split(words[1:])
             parser = _parser()
             args = parser.parse_args(flags)

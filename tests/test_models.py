@@ -154,7 +154,7 @@ def test_a_model_family_is_one_registry_entry(monkeypatch):
         check_arch(make_cfg("tyo:1"))  # its names are suggested like everyone's
     with pytest.raises(UserError, match="needs a torchvision model"):
         check_arch(make_cfg("toy:1", pretrained="torchvision"))
-    assert [f.name for f in MODEL_FAMILIES] == ["builtin", "gpt", "timm", "torchvision"]
+    assert [f.name for f in MODEL_FAMILIES] == ["builtin", "gpt", "llama", "timm", "torchvision"]
 
 
 def test_timm_missing_is_user_error(monkeypatch):

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ddpkit.distributed.runtime import DistContext, init_distributed, shutdown
     from ddpkit.launcher.spawn import launch
     from ddpkit.models import read_weights
+    from ddpkit.models.loading import load_model
     from ddpkit.parallel.clip import clip_grad_norm_
     from ddpkit.porting import prepare, unwrap
     from ddpkit.porting.state import load_state, save_state
@@ -68,6 +69,7 @@ _LAZY = {
     "load_checkpoint": "ddpkit.checkpoint",
     "read_weights": "ddpkit.models",
     "clip_grad_norm_": "ddpkit.parallel.clip",
+    "load_model": "ddpkit.models.loading",
     "scaled_lr": "ddpkit.train.optim",
 }
 

@@ -448,13 +448,16 @@ def test_run_dir_doc_names_every_file_checkpoint_key_and_metrics_field_written(t
     run_group(_short_run, 1, str(run))  # epoch 1 whole, epoch 2 stopped inside by train.max_steps
     files = {p.name + "/" if p.is_dir() else p.name for p in run.iterdir()} - {"checkpoints/"}
     files |= {"checkpoints/" + re.sub(r"\d{4}", "NNNN", p.name) for p in (run / "checkpoints").iterdir()}
-    assert files == _doc_table("Files") - {"previous/"}  # only after checkpoint.overwrite moved a run aside
+    # previous/: only after checkpoint.overwrite moved a run aside; tokenizer.json: a language model's only
+    assert files == _doc_table("Files") - {"previous/", "tokenizer.json"}
     keys = set()
     for name in ("last.pt", "best.pt", "epoch_0001.pt"):
         state = torch.load(run / "checkpoints" / name, weights_only=True)
         keys |= set(state)
         assert state["metrics_row"] is not None
-    optional = {"comm_hook"}  # only with dist.grad_compression=powersgd (tests/parallel/test_compression.py)
+    # comm_hook: only with dist.grad_compression=powersgd (tests/parallel/test_compression.py); tokenizer: a
+    # language model's only (tests/commands/test_generate.py)
+    optional = {"comm_hook", "tokenizer"}
     assert keys == _doc_table("Checkpoint format") - optional
     fields = {k for row in read_metrics(run) for k in row}
     only_resumed = {"resumed_after"}  # in the first line of a resumed run only (tests/test_report.py's runs)

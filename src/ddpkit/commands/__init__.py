@@ -59,6 +59,20 @@ COMMANDS: dict[str, Command] = {
             mode="script",
         ),
         Command(
+            "generate",
+            "sample text from a trained language model: ddpkit generate RUN_DIR_OR_CHECKPOINT --prompt TEXT",
+            "ddpkit.commands.lm.generate:generate_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
+            "export",
+            "write a trained GPT as a Hugging Face folder: ddpkit export CHECKPOINT --to hf OUT_DIR",
+            "ddpkit.commands.lm.export:export_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
             "stacks",
             "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
             "ddpkit.commands.stacks:stacks_command",

@@ -29,7 +29,8 @@ class DataConfig:
         "digits (scikit-learn's 8x8 handwritten digits, shipped with it), synthetic (generated), cifar10, "
         "cifar100, mnist, imagefolder (data.root/train/CLASS/* and data.root/val/CLASS/*), text (characters of "
         "data.root, a UTF-8 file or folder; left at its default: the running Python's standard-library sources, "
-        "for model.arch=gpt), or a data set "
+        "for model.arch=gpt or llama), tokens (data.root/train.bin and val.bin: token ids, nanoGPT's format), "
+        "or a data set "
         "registered with ddpkit.data.register_dataset or the ddpkit.datasets entry point",
         nonblank=True,
     )
@@ -51,7 +52,29 @@ class DataConfig:
     pin_memory: bool = opt(
         True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
     )
-    block_size: int = opt(128, "text: characters of context per sample", gt=1)
+    block_size: int = opt(128, "text, tokens: tokens of context per sample", gt=1)
+    tokenizer: Literal["char", "bpe"] = opt(
+        "char",
+        "text: char (every distinct character one token) or bpe (a byte-level BPE of data.vocab_size tokens "
+        "trained on the training split, or read from data.tokenizer_file); saved as out_dir/tokenizer.json",
+    )
+    vocab_size: int | None = opt(
+        None,
+        "bpe: the most tokens to train (at least 256; null: 1024; a short text may give fewer); tokens: every id is below it (null: 1 + the "
+        "largest id of the files)",
+        gt=0,
+        le=2**32,
+    )
+    tokenizer_file: str | None = opt(
+        None,
+        "a tokenizer.json (Hugging Face tokenizers) to use instead of training one (data.tokenizer=bpe), or, "
+        "with data.dataset=tokens, the one that made the files (for ddpkit generate)",
+    )
+    token_dtype: Literal["auto", "uint16", "uint32"] = opt(
+        "auto",
+        "tokens: the files' integer type; auto: uint16 when data.vocab_size is unset or at most 65536 (as "
+        "nanoGPT writes them), uint32 above",
+    )
     text_bytes: int = opt(
         1_000_000,
         "text: read at most this many bytes of data.root (or of the default source)",
@@ -73,7 +96,8 @@ class ModelConfig:
         "cnn",
         "cnn (small built-in CNN), mlp (built-in, no normalisation or dropout layers), a torchvision "
         "classification model (resnet18, resnet50, ...), timm:NAME when timm is installed, or gpt (the built-in "
-        "GPT-2-style decoder, for data.dataset=text)",
+        "GPT-2-style decoder, for data.dataset=text or tokens), or llama (the built-in Llama-style decoder: RoPE, "
+        "RMSNorm, SwiGLU, grouped-query attention)",
         aka=("type", "name"),
     )
     num_classes: int | None = opt(None, "output classes; null: the data set's", gt=0)
@@ -91,11 +115,31 @@ class ModelConfig:
     activation_checkpointing: Literal["none", "full"] = opt(
         "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
     )
-    n_layer: int = opt(4, "gpt: transformer blocks", gt=0)
-    n_head: int = opt(4, "gpt: attention heads per block (n_embd must be a multiple)", gt=0)
-    n_embd: int = opt(128, "gpt: embedding width", gt=0)
+    n_layer: int = opt(4, "gpt, llama: transformer blocks", gt=0)
+    n_head: int = opt(4, "gpt, llama: attention (query) heads per block (n_embd must be a multiple)", gt=0)
+    n_embd: int = opt(128, "gpt, llama: embedding width", gt=0)
     dropout: float = opt(
-        0.0, "gpt: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1
+        0.0, "gpt, llama: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1
+    )
+    n_kv_head: int | None = opt(
+        None, "llama: key/value heads, each serving n_head / n_kv_head query heads; null: n_head", gt=0
+    )
+    ffn_hidden: int | None = opt(
+        None, "llama: the SwiGLU MLP's width; null: 8 x n_embd / 3 rounded up to a multiple of 8", gt=0
+    )
+    rope_theta: float = opt(10000.0, "llama: the base of the rotary position embeddings", gt=0)
+    norm_eps: float = opt(1e-5, "llama: the RMSNorm epsilon", gt=0, lt=1)
+    gelu_approximate: Literal["none", "tanh"] = opt(
+        "none", "gpt: the MLP's GELU, exact (none) or the tanh approximation GPT-2 uses"
+    )
+    tie_embeddings: bool = opt(
+        False,
+        "gpt, llama: the head shares the token embedding's weight (GPT-2's); not with dist.tp or dist.pp",
+    )
+    init_from: str | None = opt(
+        None,
+        "gpt, llama: start from a Hugging Face folder (config.json + model.safetensors, or a sharded index) of "
+        "the GPT-2 (model.arch=gpt) or Llama (llama) architecture; its shape must be this config's",
     )
 
 
@@ -124,6 +168,12 @@ class TrainConfig:
     )
     clip_grad_norm: float | None = opt(
         None, "clip the gradient norm to this before each optimizer step; null: no clipping", gt=0
+    )
+    peak_tflops: float | None = opt(
+        None,
+        "the device's peak TFLOP/s in the training dtype, for the metrics field mfu; null: known for some NVIDIA "
+        "GPUs under train.amp=bf16 or fp16 (H100, H200, A100, L40S, L4, A10, V100), else no mfu",
+        gt=0,
     )
     log_every: int = opt(10, "log the running loss and accuracy every N optimizer steps", gt=0)
     nonfinite: Literal["stop", "skip"] = opt(

@@ -35,6 +35,9 @@ class DataSpec:
     val_size: int
     vocab_size: int | None = None
     block_size: int | None = None
+    tokenizer: str | None = (
+        None  # token data: its tokenizer's JSON text (Hugging Face tokenizers), when known
+    )
 
     @property
     def tokens(self) -> bool:
@@ -52,6 +55,7 @@ class Splits:
     in_channels: int
     image_size: int
     vocab_size: int | None = None  # token data: samples are (ids, next ids) of length data.block_size
+    tokenizer: str | None = None  # token data: the tokenizer's JSON text, saved as out_dir/tokenizer.json
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ def register_dataset(entry: DatasetEntry, *, replace: bool = False) -> DatasetEn
 
 def _load_builtin() -> None:
     from ddpkit.data import builtin, text, vision  # noqa: F401  (their entries register themselves)
+    from ddpkit.data.text import tokens  # noqa: F401
 
 
 def _from_entry_points(name: str) -> DatasetEntry | None:
@@ -198,5 +203,6 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataSpec]:
         val_size=len(splits.val),  # type: ignore[arg-type]
         vocab_size=splits.vocab_size,
         block_size=cfg.data.block_size if splits.vocab_size is not None else None,
+        tokenizer=splits.tokenizer,
     )
     return train, val, spec

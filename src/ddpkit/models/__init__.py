@@ -16,7 +16,7 @@ from torch import nn
 from ddpkit.config import Config
 from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
-from ddpkit.models import gpt, small, timm_models, torchvision_models
+from ddpkit.models import gpt, llama, small, timm_models, torchvision_models
 from ddpkit.models.family import ModelFamily
 from ddpkit.models.small import BUILTIN, SmallCNN, build_mlp
 from ddpkit.models.timm_models import TIMM_PREFIX
@@ -54,7 +54,13 @@ __all__ = [
 ENTRY_POINT_GROUP = "ddpkit.models"
 
 # Adding a model family is one entry (register_model); they are asked in this order (the cheap ones first).
-MODEL_FAMILIES: list[ModelFamily] = [small.FAMILY, gpt.FAMILY, timm_models.FAMILY, torchvision_models.FAMILY]
+MODEL_FAMILIES: list[ModelFamily] = [
+    small.FAMILY,
+    gpt.FAMILY,
+    llama.FAMILY,
+    timm_models.FAMILY,
+    torchvision_models.FAMILY,
+]
 
 
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
@@ -100,6 +106,19 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
         )
     if pretrained and pretrained != "torchvision":
         check_weights_path(pretrained)
+    if cfg.model.init_from:
+        from ddpkit.models.hf import is_hf_folder
+
+        if family not in (gpt.FAMILY, llama.FAMILY):
+            raise UserError(
+                f"model.init_from needs model.arch=gpt or llama, not '{cfg.model.arch}'",
+                "set model.arch=gpt or llama, or use model.pretrained for a weights file",
+            )
+        if not is_hf_folder(cfg.model.init_from):
+            raise UserError(
+                f"model.init_from '{cfg.model.init_from}' is not a Hugging Face folder (no config.json in it)",
+                "give a folder written by save_pretrained or by ddpkit export --to hf",
+            )
 
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
@@ -111,18 +130,23 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     if family.tokens and not tokens:
         raise UserError(
             f"model.arch={arch} is a language model, but data.dataset={dataset} holds images",
-            "use data.dataset=text",
+            "use data.dataset=text or tokens",
         )
     if tokens and not family.tokens:
         raise UserError(
             f"data.dataset={dataset} holds text, but model.arch={arch} classifies images",
-            "use model.arch=gpt",
+            "use model.arch=gpt or llama",
         )
     m = cfg.model
     if family.tokens and m.n_embd % m.n_head:
         raise UserError(
             f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
             "pick n_embd = n_head x the width of one head",
+        )
+    if family is llama.FAMILY and m.n_kv_head is not None and m.n_head % m.n_kv_head:
+        raise UserError(
+            f"model.n_head={m.n_head} is not a multiple of model.n_kv_head={m.n_kv_head}",
+            "pick n_kv_head dividing n_head (each key/value head serves n_head / n_kv_head query heads)",
         )
 
 

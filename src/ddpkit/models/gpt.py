@@ -48,25 +48,28 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float = 0.0):
+    """fc, GELU (exact, or GPT-2's tanh approximation: `approximate="tanh"`), proj."""
+
+    def __init__(self, n_embd: int, dropout: float = 0.0, approximate: str = "none"):
         super().__init__()
         self.fc = nn.Linear(n_embd, 4 * n_embd)
         self.proj = nn.Linear(4 * n_embd, n_embd)
         self.drop = nn.Dropout(dropout)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, approximate: str = "none"):
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = MLP(n_embd, dropout)
+        self.mlp = MLP(n_embd, dropout, approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -74,7 +77,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> logits (B, T, vocab_size); a pipeline stage may hold only some of the parts."""
+    """Token ids (B, T) -> logits (B, T, vocab_size); a pipeline stage may hold only some of the parts.
+
+    GPT-2 exactly: learned positions, biases, `gelu_approximate="tanh"`, `tie_embeddings=True` (the head's weight
+    is the token embedding's)."""
 
     def __init__(
         self,
@@ -84,20 +90,27 @@ class GPT(nn.Module):
         n_head: int = 4,
         n_embd: int = 128,
         dropout: float = 0.0,
+        gelu_approximate: str = "none",
+        tie_embeddings: bool = False,
     ):
         super().__init__()
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.gelu_approximate, self.tie_embeddings = gelu_approximate, tie_embeddings
         self.tok_emb: nn.Module | None = nn.Embedding(vocab_size, n_embd)
         self.pos_emb: nn.Module | None = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(n_embd, n_head, dropout) for i in range(n_layer)})
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(n_embd, n_head, dropout, gelu_approximate) for i in range(n_layer)}
+        )
         self.ln_f: nn.Module | None = nn.LayerNorm(n_embd)
         self.head: nn.Module | None = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith(("wo.weight", "proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        if tie_embeddings:
+            self.head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -128,12 +141,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
-    return GPT(vocab_size, block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
+    return GPT(
+        vocab_size,
+        block_size,
+        m.n_layer,
+        m.n_head,
+        m.n_embd,
+        m.dropout,
+        gelu_approximate=m.gelu_approximate,
+        tie_embeddings=m.tie_embeddings,
+    )
 
 
 def _no_images(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     raise UserError(
-        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text"
+        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text or tokens"
     )
 
 

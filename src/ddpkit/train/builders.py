@@ -44,8 +44,8 @@ def make_model(
 
     for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
     """
-    if for_eval and cfg.model.pretrained:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
+    if for_eval and (cfg.model.pretrained or cfg.model.init_from):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None, init_from=None))
     seed_everything(cfg.seed, cfg.train.deterministic)  # the same on every rank: identical initial weights
     num_classes = cfg.model.num_classes or spec.num_classes
     model = models.build_model(
@@ -57,6 +57,10 @@ def make_model(
         vocab_size=spec.vocab_size,
         block_size=spec.block_size,
     )
+    if cfg.model.init_from:
+        from ddpkit.models.loading import init_from
+
+        init_from(model, cfg.model.init_from, report)
     return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
 
 

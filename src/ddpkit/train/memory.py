@@ -5,7 +5,8 @@ ZeroRedundancyOptimizer by the state of the parameters this rank updates, and ev
 tensors view it (DDP's gradients as bucket views, FSDP2's padded shards). The trainer measures the parameters
 and gradients just before the first optimizer step (zero_grad frees the gradients after it) and the optimizer
 state just after it (the optimizers make their state at their first step), and writes the three numbers into
-the first metrics line of the run.
+the first metrics line of the run. The process's peak memory (CUDA's max allocated bytes on a GPU, the peak
+resident set size on a CPU), the largest over the ranks, goes into every line.
 """
 
 from __future__ import annotations
@@ -87,4 +88,36 @@ class MemoryProbe:
         return fields
 
 
-__all__ = ["FIELDS", "MemoryProbe", "grad_bytes", "local", "optim_bytes", "param_bytes", "storage_bytes"]
+# ---- the peak of the whole process (metrics field peak_memory_bytes_per_rank, every line)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: CUDA's max allocated bytes on a GPU, else its peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def largest_peak_memory(device: torch.device) -> int:
+    """The largest peak memory of the ranks (collective when a process group runs)."""
+    from ddpkit.distributed.collectives import all_gather_object, is_dist
+
+    mine = peak_memory_bytes(device)
+    return max(all_gather_object(mine)) if is_dist() else mine
+
+
+__all__ = [
+    "FIELDS",
+    "MemoryProbe",
+    "grad_bytes",
+    "largest_peak_memory",
+    "local",
+    "optim_bytes",
+    "param_bytes",
+    "peak_memory_bytes",
+    "storage_bytes",
+]

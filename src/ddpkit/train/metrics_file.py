@@ -53,6 +53,13 @@ def _skipped_samples(end: EpochEnd) -> int:
     return skipped_in_epoch(t.train_set, t.val_set, end.epoch, t.log.info)
 
 
+def _peak_memory(end: EpochEnd) -> int:
+    """Collective: every rank reads it."""
+    from ddpkit.train.memory import largest_peak_memory
+
+    return largest_peak_memory(end.trainer.device)
+
+
 _F, _I, _S = float, int, str
 FIRST = "first line only: "
 FIELDS: tuple[Field, ...] = (
@@ -124,6 +131,34 @@ FIELDS: tuple[Field, ...] = (
         "train_tokens_per_s",
         _F,
         "a language model's training tokens over all ranks divided by `epoch_time_s`; `null` for classifiers",
+    ),
+    Field(
+        "flops_per_token",
+        _I,
+        "a language model's training FLOPs per token, 6 N + 12 L d T (parameters N, blocks L, width d, context T: "
+        "docs/language-model.md); `null` for classifiers",
+        value=lambda e: e.trainer.speed["flops_per_token"],
+    ),
+    Field(
+        "tflops_per_s_per_rank",
+        _F,
+        "achieved model TFLOP/s per rank: `flops_per_token x train_tokens_per_s / world_size / 1e12`; `null` for "
+        "classifiers",
+        value=lambda e: e.trainer.speed["tflops_per_s_per_rank"],
+    ),
+    Field(
+        "mfu",
+        _F,
+        "model FLOPs utilization: `tflops_per_s_per_rank` / the device's peak (`train.peak_tflops`, or a known "
+        "GPU's bf16/fp16 peak under `train.amp`); `null` when no peak is known",
+        value=lambda e: e.trainer.speed["mfu"],
+    ),
+    Field(
+        "peak_memory_bytes_per_rank",
+        _I,
+        "the largest peak memory of the ranks so far: CUDA's max allocated bytes on a GPU, the process's peak "
+        "resident set size on a CPU",
+        value=_peak_memory,
     ),
     Field(
         "skipped_samples",

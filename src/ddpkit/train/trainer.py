@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from ddpkit.distributed.collectives import (
 )
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
+from ddpkit.models import flops
 from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
@@ -100,6 +102,8 @@ class Trainer:
         startup.mark("data")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
         self.task: Task = task_for(self.spec, self.criterion)  # classification, or a language model on text
+        self.flops_per_token = flops.model_flops(cfg, self.spec)  # None for a classifier
+        self.peak_tflops = cfg.train.peak_tflops or flops.known_peak(self.device, cfg.train.amp)
         self.autocast = make_autocast(self.device, cfg.train.amp)
         replica, self.replicas = self._build_model()
         if cfg.model.compile:
@@ -158,6 +162,7 @@ class Trainer:
         with self._closing(), explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step), self.stop:
             # every check (out_dir, data, the checkpoint to continue from) passes before the first write
             source, ckpt = self.run_dir.open(config_mod.to_yaml(self.cfg), self._check_inputs)
+            self._save_tokenizer()
             if ckpt is not None:
                 self._resumed(source, ckpt)
             self.log.info(banner(self))
@@ -289,6 +294,7 @@ class Trainer:
             **self._hook_states(),
             "config": config_mod.to_dict(self.cfg),
             "metrics_row": row,
+            **({"tokenizer": self.spec.tokenizer} if self.spec.tokenizer else {}),
         }
         if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
             tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
@@ -354,6 +360,14 @@ class Trainer:
         return {"comm_hook": gather_object_to(mine)}
 
     # ---- small parts of the recipe ------------------------------------------------------------
+    def _save_tokenizer(self) -> None:
+        """out_dir/tokenizer.json: the language model's tokenizer, for eval, a resume and `ddpkit generate`."""
+        if self.ctx.is_main and self.spec.tokenizer:
+            from ddpkit.checkpoint import save_text
+            from ddpkit.data.text.tokenizer import FILE
+
+            save_text(Path(self.cfg.out_dir) / FILE, self.spec.tokenizer)
+
     def _more_to_train(self) -> bool:
         return self.state.epoch < self.cfg.train.epochs and self.state.step < self.total_steps
 
@@ -366,9 +380,13 @@ class Trainer:
     ) -> dict:
         loss, acc1, units = train
         units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
+        train_fields = self.task.train_fields(loss, acc1, units, elapsed)
+        self.speed = flops.fields(
+            self.flops_per_token, train_fields["train_tokens_per_s"], self.ctx.world_size, self.peak_tflops
+        )  # the schema's flops_per_token, tflops_per_s_per_rank and mfu read it
         return make_row(
             **measured(EpochEnd(self, epoch, elapsed)),
-            **self.task.train_fields(loss, acc1, units, elapsed),
+            **train_fields,
             **val,
             **self._first_line_only(),
         )

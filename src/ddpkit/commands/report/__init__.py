@@ -252,7 +252,8 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
 
 
 def _language_model_summary(run: Run) -> dict[str, Any]:
-    """A language model's numbers: final and best (lowest) val_loss, final perplexity, mean tokens/s."""
+    """A language model's numbers: final and best (lowest) val_loss, final perplexity, mean tokens/s, mean
+    TFLOP/s per rank and MFU, the largest peak memory per rank."""
     losses = [(r["epoch"], r["val_loss"]) for r in run.rows if finite(r.get("val_loss")) is not None]
     best = min(losses, key=lambda el: el[1]) if losses else (None, None)
     ppl = [r["val_ppl"] for r in run.rows if finite(r.get("val_ppl")) is not None]
@@ -262,6 +263,16 @@ def _language_model_summary(run: Run) -> dict[str, Any]:
         "best_val_loss_epoch": best[0],
         "final_val_ppl": ppl[-1] if ppl else None,
         "mean_tokens_per_s": _mean(run.series("train_tokens_per_s")),
+        "mean_tflops_per_s_per_rank": _mean(run.series("tflops_per_s_per_rank")),
+        "mean_mfu": _mean(run.series("mfu")),
+        "peak_memory_bytes_per_rank": max(
+            (
+                v
+                for v in run.series("peak_memory_bytes_per_rank")
+                if isinstance(v, int) and not isinstance(v, bool)
+            ),
+            default=None,
+        ),
     }
 
 
@@ -282,6 +293,7 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
     lm = any("final_val_loss" in s for s in summary)  # language-model runs: loss, perplexity, tokens/s too
     if lm:
         head += ["final val_loss", "best val_loss (epoch)", "final val ppl", "mean tokens/s"]
+        head += ["TFLOP/s per rank", "MFU", "peak memory per rank (MiB)"]
     head += ["mean images/s", "train time (s)", "resumed after epoch", "differs"]
     body = []
     for s in summary:
@@ -295,6 +307,9 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
             row += [_num(s.get("final_val_loss"), ".4f")]
             row += ["-" if best_loss is None else f"{best_loss:.4f} ({s['best_val_loss_epoch']})"]
             row += [_num(s.get("final_val_ppl"), ".2f"), _num(s.get("mean_tokens_per_s"), ".1f")]
+            row += [_num(s.get("mean_tflops_per_s_per_rank"), ".4g"), _pct(s.get("mean_mfu"))]
+            mem = s.get("peak_memory_bytes_per_rank")
+            row += [_num(None if mem is None else mem / 2**20, ".1f")]
         row += [_num(s["mean_images_per_s"], ".1f"), _num(s["train_time_s"], ".2f")]
         row += [", ".join(map(str, s["resumed_after"])) or "-", _pairs(s["differs"]) or "-"]
         body.append(row)

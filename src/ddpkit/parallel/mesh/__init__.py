@@ -84,7 +84,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 AUTO_OVER_TP = "zero2"  # dist.strategy=auto over the dp dim of a tensor-parallel model
 AUTO_OFFLOAD = "fsdp"  # dist.strategy=auto with dist.offload=cpu
-CHECKPOINTED_ARCHS = ("gpt",)  # model families whose blocks activation checkpointing re-computes
+CHECKPOINTED_ARCHS = ("gpt", "llama")  # model families whose blocks activation checkpointing re-computes
 
 
 def _names(flag: str) -> str:
@@ -128,21 +128,25 @@ def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
 def check_model(cfg: Any, layout: Layout) -> None:
     """The model can be split as asked: heads, width and context divisible by tp; checkpointing applies."""
     m, tp = cfg.model, layout.tp
-    if tp > 1 and m.arch != "gpt":
+    if tp > 1 and m.arch not in CHECKPOINTED_ARCHS:  # the same families have a tensor-parallel plan
         raise UserError(
             f"dist.tp={tp} needs a model with a tensor-parallel plan; model.arch={m.arch} has none",
-            "use model.arch=gpt, or ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
+            "use model.arch=gpt or llama, or ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
         )
-    for key, value in (
-        ("model.n_head", m.n_head),
-        ("model.n_embd", m.n_embd),
-        ("data.block_size", cfg.data.block_size),
-    ):
+    sizes = [("model.n_head", m.n_head), ("model.n_embd", m.n_embd), ("data.block_size", cfg.data.block_size)]
+    if m.arch == "llama" and m.n_kv_head is not None:
+        sizes.append(("model.n_kv_head", m.n_kv_head))
+    for key, value in sizes:
         if tp > 1 and value % tp:
             raise UserError(
                 f"{key}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
                 f"use a {key} that is a multiple of {tp}, or another dist.tp",
             )
+    if getattr(m, "tie_embeddings", False) and (tp > 1 or layout.pp > 1):
+        raise UserError(
+            f"model.tie_embeddings=true is not supported with dist.tp={tp} dist.pp={layout.pp}",
+            "set model.tie_embeddings=false, or train without tensor and pipeline parallelism",
+        )
     if m.activation_checkpointing != "none" and m.arch not in CHECKPOINTED_ARCHS:
         raise UserError(
             f"model.activation_checkpointing={m.activation_checkpointing} re-computes transformer blocks; "

@@ -17,9 +17,16 @@ import torch.nn as nn
 
 from ddpkit.errors import UserError
 
+# (column-parallel, row-parallel) projections of a block of each built-in family
+PROJECTIONS = {
+    "GPT": (("attn.wq", "attn.wk", "attn.wv", "mlp.fc"), ("attn.wo", "mlp.proj")),
+    "Llama": (("attn.wq", "attn.wk", "attn.wv", "mlp.gate", "mlp.up"), ("attn.wo", "mlp.down")),
+}
+
 
 def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
-    """The parallelize_module plan of a ddpkit.models.gpt.GPT (a pipeline stage's blocks and parts too)."""
+    """The parallelize_module plan of a ddpkit.models.gpt.GPT or models.llama.Llama (a pipeline stage's blocks
+    and parts too)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -30,11 +37,12 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]
 
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the matmuls
     plan: dict[str, Any] = {}
+    column, row = PROJECTIONS["Llama" if type(model).__name__ == "Llama" else "GPT"]
     for i in model.blocks:
         b = f"blocks.{i}."
-        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc"):
+        for name in column:
             plan[b + name] = ColwiseParallel(input_layouts=between)
-        for name in ("attn.wo", "mlp.proj"):
+        for name in row:
             plan[b + name] = RowwiseParallel(output_layouts=between)
         if sequence_parallel:
             plan[b + "ln1"] = plan[b + "ln2"] = SequenceParallel()
@@ -56,7 +64,9 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]
 
 def check_gpt_split(model: nn.Module, tp: int) -> None:
     """Heads and width divisible by tp (a UserError otherwise)."""
-    for what, value in (("n_head", model.n_head), ("n_embd", model.n_embd)):
+    sizes = [("n_head", model.n_head), ("n_embd", model.n_embd)]
+    sizes += [("n_kv_head", model.n_kv_head)] if hasattr(model, "n_kv_head") else []
+    for what, value in sizes:
         if value % tp:
             raise UserError(
                 f"model.{what}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
@@ -67,11 +77,12 @@ def check_gpt_split(model: nn.Module, tp: int) -> None:
 def plan_for(model: nn.Module, tp: int) -> dict[str, Any]:
     """The built-in plan of `model` (ddpkit.models.gpt.GPT); a UserError for a model without one."""
     from ddpkit.models.gpt import GPT
+    from ddpkit.models.llama import Llama
 
-    if not isinstance(model, GPT):
+    if not isinstance(model, GPT | Llama):
         raise UserError(
             f"dist.tp={tp}: there is no tensor-parallel plan for a {type(model).__name__}",
-            "use model.arch=gpt, or pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...})",
+            "use model.arch=gpt or llama, or pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...})",
         )
     check_gpt_split(model, tp)
     # sequence parallel on the whole model; a pipeline stage takes and gives whole hidden states

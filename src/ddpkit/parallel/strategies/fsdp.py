@@ -66,14 +66,19 @@ class FSDPStrategy(Strategy):
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
-    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element."""
+    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element. Units
+    that share a parameter (a head tied to the token embedding) are left to the root's group, which holds a shared
+    parameter once for all the modules that use it."""
+    import collections
+
     import torch.nn as nn
 
     units = []
     for child in model.children():
         parts = list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
         units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
-    return units
+    uses = collections.Counter(id(p) for m in units for p in m.parameters())
+    return [m for m in units if all(uses[id(p)] == 1 for p in m.parameters())]
 
 
 def _recognizes(model, optimizer) -> bool:

@@ -1,10 +1,12 @@
-"""`data.dataset=text`: character-level text for the built-in GPT, with no download.
+"""`data.dataset=text`: text for the built-in language models, with no download.
 
 The source is `data.root` (a text file, or a folder whose files are read in sorted order), or, with data.root
 left at its default, the `.py` files at the top of the running Python's standard library (sorted by name, the
-same text on every run of one Python). At most `data.text_bytes` bytes are read. The vocabulary is the sorted
-set of characters of the text; the last tenth of the text is the validation split. A sample is one block of
-`data.block_size + 1` characters: (x, y) = (block[:-1], block[1:]), both int64 token ids of length block_size.
+same text on every run of one Python). At most `data.text_bytes` bytes are read. The last tenth of the text is
+the validation split. data.tokenizer=char (the default): the vocabulary is the sorted set of characters of the
+text; bpe: a byte-level BPE trained on the training split (or data.tokenizer_file; on a resume the run's own
+out_dir/tokenizer.json), see tokenizer.py. A sample is one block of `data.block_size + 1` tokens:
+(x, y) = (block[:-1], block[1:]), both int64 token ids of length block_size.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
+from ddpkit.data.text import tokenizer
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -135,14 +138,76 @@ def _check(cfg: Config) -> None:
     read_text(
         cfg
     )  # bounded by data.text_bytes: a binary, empty or short source fails before any worker starts
+    if cfg.data.tokenizer_file and cfg.data.tokenizer != "bpe":
+        raise UserError(
+            "data.tokenizer_file is set but data.tokenizer=char trains no tokenizer", "add data.tokenizer=bpe"
+        )
+    if cfg.data.tokenizer == "bpe":
+        if cfg.data.tokenizer_file:
+            tokenizer.from_json(tokenizer.read_file(cfg.data.tokenizer_file), "data.tokenizer_file")
+        else:
+            tokenizer.vocab_size(cfg.data.vocab_size)
 
 
 def _build(cfg: Config) -> Splits:
-    ids, vocab = encode(read_text(cfg))
+    text, block = read_text(cfg), cfg.data.block_size
+    if cfg.data.tokenizer == "bpe":
+        return _build_bpe(cfg, text)
+    ids, vocab = encode(text)
     cut = len(ids) - int(len(ids) * VAL_FRACTION)
-    block = cfg.data.block_size
     train, val = TextBlocks(ids[:cut], block), TextBlocks(ids[cut:], block)
-    return Splits(train, val, num_classes=len(vocab), in_channels=0, image_size=0, vocab_size=len(vocab))
+    tok = tokenizer.char_tokenizer(vocab).to_str()
+    return Splits(
+        train, val, num_classes=len(vocab), in_channels=0, image_size=0, vocab_size=len(vocab), tokenizer=tok
+    )
+
+
+def run_tokenizer(cfg: Config) -> str | None:
+    """The JSON text of out_dir/tokenizer.json when this run continues an earlier one in out_dir (resume on, and
+    a checkpoint there to continue from), else None."""
+    from ddpkit.checkpoint import CheckpointDir
+
+    path = Path(cfg.out_dir) / tokenizer.FILE
+    continues = cfg.checkpoint.resume != "none" and not cfg.checkpoint.overwrite
+    if not (continues and path.is_file() and CheckpointDir(cfg.out_dir).candidates()):
+        return None
+    return tokenizer.read_file(path, "out_dir's tokenizer")
+
+
+def _build_bpe(cfg: Config, text: str) -> Splits:
+    """The BPE of data.tokenizer_file, of the run being continued, or trained on the training split (rank 0,
+    then sent to every rank); both splits encoded with it."""
+    cut = len(text) - int(len(text) * VAL_FRACTION)
+    if cfg.data.tokenizer_file:
+        json_text, where = (
+            tokenizer.read_file(cfg.data.tokenizer_file),
+            f"data.tokenizer_file '{cfg.data.tokenizer_file}'",
+        )
+    else:
+        size = tokenizer.vocab_size(cfg.data.vocab_size)
+        where = "out_dir's tokenizer.json"
+        json_text = run_tokenizer(cfg) or tokenizer.shared(
+            lambda: tokenizer.train_bpe(text[:cut], size).to_str()
+        )
+    tok = tokenizer.from_json(json_text, where)
+    train_ids, val_ids = tokenizer.encode(tok, text[:cut]), tokenizer.encode(tok, text[cut:])
+    block = cfg.data.block_size
+    for ids, split in ((train_ids, "training"), (val_ids, "validation")):
+        if len(ids) < block + 1:
+            raise UserError(
+                f"the {split} split is {len(ids)} tokens, too few for data.block_size={block}",
+                "give more text (data.text_bytes, data.root) or lower data.block_size",
+            )
+    n = tok.get_vocab_size()
+    return Splits(
+        TextBlocks(train_ids, block),
+        TextBlocks(val_ids, block),
+        num_classes=n,
+        in_channels=0,
+        image_size=0,
+        vocab_size=n,
+        tokenizer=json_text,
+    )
 
 
 TEXT = register_dataset(

@@ -1,0 +1,144 @@
+"""The tokenizer of a language model's text: `data.tokenizer=char` (every distinct character one token) or `bpe`
+(a byte-level BPE of data.vocab_size tokens trained on the training split with Hugging Face `tokenizers`, or read
+from data.tokenizer_file). Both are held as one `tokenizers.Tokenizer` whose JSON text is saved as
+out_dir/tokenizer.json; eval, resume and `ddpkit generate` read it back from there.
+
+Training is deterministic (the same text and vocab_size give the same JSON) and done once: rank 0 trains, the
+other ranks receive its JSON text.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddpkit.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
+
+FILE = "tokenizer.json"  # in out_dir
+DEFAULT_BPE_SIZE = 1024  # data.vocab_size left null with data.tokenizer=bpe
+BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte
+MAX_FILE_BYTES = 64 << 20  # the largest tokenizer.json read
+FILE_HINT = (
+    "give data.tokenizer_file a tokenizer.json written by Hugging Face tokenizers (or by ddpkit train)"
+)
+
+
+def char_tokenizer(vocab: list[str]) -> Tokenizer:
+    """The character tokenizer of `vocab` (sorted distinct characters; token i is vocab[i]): a WordLevel model over
+    single characters, decoded by joining them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(vocab)}))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def train_bpe(text: str, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on `text` (deterministic; every string encodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        special_tokens=[],
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def from_json(text: str, where: str) -> Tokenizer:
+    """A tokenizer from its JSON text; UserError naming `where` when it is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises plain Exception for every malformed file
+        raise UserError(
+            f"{where} is not a tokenizer: {first_line(e, limit=200, joined=True)}", FILE_HINT
+        ) from None
+    if tok.get_vocab_size() == 0:
+        raise UserError(f"{where} is a tokenizer with no tokens", FILE_HINT)
+    return tok
+
+
+def read_file(path: str | os.PathLike, what: str = "data.tokenizer_file") -> str:
+    """The JSON text of tokenizer file `path` (bounded, UTF-8); UserError when it cannot be read."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_file():
+        raise UserError(f"{what} '{path}' does not exist or is not a file", FILE_HINT)
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise UserError(
+            f"cannot read {what} '{path}': {e.strerror or e}", "check the file's permissions"
+        ) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise UserError(f"{what} '{path}' is over {MAX_FILE_BYTES >> 20} MiB", FILE_HINT)
+    from ddpkit.config.bounded import loads_json
+
+    try:
+        text = raw.decode("utf-8")
+        loads_json(text)
+    except (UnicodeDecodeError, ValueError) as e:  # TooDeep is a ValueError
+        raise UserError(
+            f"{what} '{path}' is not JSON: {first_line(e, limit=120, joined=True)}", FILE_HINT
+        ) from None
+    return text
+
+
+def encode(tok: Tokenizer, text: str) -> torch.Tensor:
+    """The token ids of `text` (int32; int64 when the vocabulary needs it)."""
+    import numpy as np
+    import torch
+
+    ids = tok.encode(text, add_special_tokens=False).ids
+    dtype = np.int32 if tok.get_vocab_size() < 2**31 else np.int64
+    return torch.from_numpy(np.asarray(ids, dtype=dtype))
+
+
+def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids of a prompt; UserError when it is empty or holds characters the tokenizer has no token for."""
+    if not prompt:
+        raise UserError("--prompt is empty", "give the text to continue, e.g. --prompt 'def main'")
+    try:
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+    except Exception:  # a WordLevel model without an unknown token raises on a character it lacks
+        vocab = tok.get_vocab()
+        unknown = sorted({c for c in prompt if c not in vocab})
+        shown = ", ".join(repr(c) for c in unknown[:5])
+        raise UserError(
+            f"the prompt holds characters this run's tokenizer has no token for: {shown}",
+            "use only characters of the training text, or train with data.tokenizer=bpe (it encodes any text)",
+        ) from None
+    if not ids:
+        raise UserError("the prompt encodes to no tokens", "give some text to continue")
+    return ids
+
+
+def vocab_size(cfg_vocab: int | None) -> int:
+    """The BPE size to train: data.vocab_size, or the default; UserError below the byte alphabet."""
+    size = DEFAULT_BPE_SIZE if cfg_vocab is None else cfg_vocab
+    if size < BYTE_ALPHABET:
+        raise UserError(
+            f"data.vocab_size={size} is too small for a byte-level BPE (it starts from {BYTE_ALPHABET} bytes)",
+            f"set data.vocab_size to at least {BYTE_ALPHABET}",
+        )
+    return size
+
+
+def shared(make) -> str:
+    """`make()`'s result (a tokenizer's JSON text) computed on rank 0 and sent to every rank."""
+    from ddpkit.distributed.collectives import broadcast_object, is_main_process
+
+    return broadcast_object(make() if is_main_process() else None)

@@ -1,0 +1,101 @@
+"""The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
+attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
+checkpointing, and tied under FSDP, equal to one process. Budget: about 60 s (four `ddpkit train` runs of 6 steps,
+two on 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import GPT_RUN, assert_user_error, cli_in_process, gpt_train
+from ddpkit.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = [*GPT_RUN, "model.arch=llama", "model.n_kv_head=2", "model.rope_theta=500"]
+
+
+@pytest.mark.parametrize(
+    ("kv", "tied", "theta"), [(1, False, 500.0), (2, True, 10000.0), (4, False, 10000.0)]
+)
+def test_a_transformers_llama_loads_and_exports_with_equal_logits(tmp_path, kv, tied, theta):
+    import ddpkit
+    from ddpkit.models.hf import export
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv, rope_theta=theta, tie_word_embeddings=tied, max_position_embeddings=32,
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    model = ddpkit.load_model(tmp_path / "hf")
+    assert (model.n_kv_head, model.tie_embeddings, model.rope_theta) == (kv, tied, theta)
+    x = torch.randint(0, 40, (2, 20))
+    export(model, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert (model(x) - ref(x).logits).abs().max() < 1e-4
+        assert (back(x).logits - model(x)).abs().max() < 1e-4
+
+
+def test_unsupported_llama_settings_are_one_line(tmp_path):
+    from ddpkit.models.loading import load_model
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        attention_bias=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="biases"):
+        load_model(tmp_path)
+
+
+def _last_weights(out) -> dict:
+    from ddpkit.checkpoint import load_checkpoint
+
+    return load_checkpoint(out / "checkpoints" / "last.pt")["model"]
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        scale = max(want[k].abs().max().item(), 1e-2)
+        assert (got[k] - want[k]).abs().max().item() <= 1e-4 * scale, k
+
+
+@pytest.mark.slow
+def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
+    # the head shares the token embedding: FSDP keeps the shared weight in the root's shard group, once
+    tied = [*LLAMA[len(GPT_RUN) :], "model.tie_embeddings=true", "train.max_steps=6"]
+    gpt_train(tmp_path / "one", gpt_text, 1, *tied)
+    gpt_train(tmp_path / "fsdp", gpt_text, 2, *tied, "dist.strategy=fsdp")
+    one, fsdp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "fsdp")
+    _assert_close(fsdp, one)
+    assert torch.equal(fsdp["head.weight"], fsdp["tok_emb.weight"])
+
+
+@pytest.mark.slow
+def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gpt_text, tmp_path, capsys):
+    from ddpkit.checkpoint import load_checkpoint
+
+    gpt_train(tmp_path / "one", gpt_text, 1, *LLAMA[len(GPT_RUN) :], "train.max_steps=6")
+    gpt_train(
+        tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2",
+        "model.activation_checkpointing=full", dp=1,
+    )  # fmt: skip
+    one, tp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "tp")
+    assert "blocks.1.mlp.gate.weight" in one
+    assert load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
+    _assert_close(tp, one)
+    for bad, fragment in (
+        (["model.n_kv_head=1", "dist.tp=2"], "model.n_kv_head=1 cannot be split over dist.tp=2"),
+        (["model.n_kv_head=3"], "not a multiple of model.n_kv_head=3"),
+        (["dist.pp=2"], "model.arch=llama has no pipeline split"),
+        (["model.tie_embeddings=true", "dist.tp=2"], "model.tie_embeddings=true is not supported"),
+    ):
+        argv = ["train", f"out_dir={tmp_path / 'bad'}", f"data.root={gpt_text}", *LLAMA, *bad]
+        proc = cli_in_process(capsys, *argv, "--nproc-per-node", "2")  # refused before any worker starts
+        assert_user_error(proc, fragment)
+        assert not (tmp_path / "bad").exists()
