@@ -65,11 +65,22 @@ def _optimizer_parts(module: nn.Module, optimizer: Any) -> tuple[dict, list]:
     return osd[STATE], groups
 
 
+def _savable(value: torch.Tensor) -> torch.Tensor:
+    """`value` as DCP can write it: a DTensor's pending (Partial) sums reduced first, so its placements are only
+    Shard and Replicate. Collective over the DTensor's mesh; any other tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor) or not any(p.is_partial() for p in value.placements):
+        return value
+    placements = [Replicate() if p.is_partial() else p for p in value.placements]
+    return value.redistribute(value.device_mesh, placements)
+
+
 def state_tensors(module: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(this rank's tensors for DCP, the non-tensor optimizer entries for state.pt). Collective."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    tensors = {MODEL + k: v for k, v in get_model_state_dict(module).items()}
+    tensors = {MODEL + k: _savable(v) for k, v in get_model_state_dict(module).items()}
     if optimizer is None:
         return tensors, {}
     state, groups = _optimizer_parts(module, optimizer)
@@ -77,7 +88,7 @@ def state_tensors(module: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Te
     for name, entries in state.items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIM}{name}.{key}"] = value
+                tensors[f"{OPTIM}{name}.{key}"] = _savable(value)
             else:
                 values.setdefault(name, {})[key] = value
     return tensors, {"optimizer_groups": groups, "optimizer_values": values}
