@@ -359,3 +359,44 @@ def test_straggler_action_stop_ends_the_ranks_still_running_after_naming_them(tm
     assert "rank 1 still running 1 s after rank 0 ended; ending them" in said[0]
     assert "[rank1]:" in said[0] and "waiting_rank" in said[0]
     assert not watch.job.exists()  # the job folder goes with the launch
+
+
+# ---------------------------------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.n_embd=1000000000", "model.n_head=1"], "model.n_embd"),
+        (["model.n_layer=1000000000"], "model.n_layer"),
+        (["model.n_layer=100000"], "model.n_layer"),
+        (["model.n_layer=1000", "model.n_embd=8192", "model.n_head=8"], "make model.n_layer smaller"),
+        (["model.n_embd=65536", "model.n_head=1"], "make model.n_embd smaller"),
+        (["train.batch_size=100000", "data.block_size=100000"], "train.batch_size or data.block_size"),
+    ],
+)
+def test_a_model_too_large_for_the_machine_is_refused_before_anything_is_built(overrides, key):
+    from ddpkit.config import load_config
+    from ddpkit.models import check_arch
+
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        check_arch(load_config(overrides=["model.arch=gpt", "data.dataset=text", *overrides]))
+
+
+def test_a_huge_gpt_is_one_line_at_once(tmp_path):
+    (tmp_path / "t.txt").write_text("abc\n" * 1000)
+    start = time.monotonic()
+    proc = run_cli(
+        "train",
+        "model.arch=gpt",
+        "data.dataset=text",
+        f"data.root={tmp_path / 't.txt'}",
+        "model.n_layer=500",
+        "model.n_embd=16384",
+        "model.n_head=16",
+        f"out_dir={tmp_path / 'run'}",
+        "--nproc-per-node",
+        "2",
+    )
+    assert_user_error(proc, "model.n_layer=500", "GiB", "make model.n_layer smaller")
+    assert time.monotonic() - start < 60 and not (tmp_path / "run").exists()
