@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli
+from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli, run_clis
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.train.metrics import RunLog
@@ -400,3 +400,48 @@ def test_a_huge_gpt_is_one_line_at_once(tmp_path):
     )
     assert_user_error(proc, "model.n_layer=500", "GiB", "make model.n_layer smaller")
     assert time.monotonic() - start < 60 and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ FIFOs where a file is expected
+
+
+def dcp_folder(root: Path) -> Path:
+    """A one-tensor sharded checkpoint written by this process: (its folder)."""
+    ckpts = CheckpointDir(root, sharded=True)
+    ckpts.save_sharded(
+        {"model.w": torch.arange(6.0)}, {"epoch": 1, "step": 1, "consumed": 0}, is_main=True, is_best=False
+    )
+    return ckpts.last
+
+
+def test_a_fifo_inside_a_sharded_checkpoint_is_one_line_not_a_wait(tmp_path):
+    from ddpkit.checkpoint.sharded import read_model
+
+    last = dcp_folder(tmp_path)
+    assert read_model(last)["w"].tolist() == list(range(6))
+    shard = next(last.glob("*.distcp"))
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(UserError, match=f"its shard {shard.name} is a FIFO"):
+        read_model(last)
+    (last / ".metadata").unlink()
+    os.mkfifo(last / ".metadata")
+    proc = run_cli("eval", f"checkpoint.path={last}", timeout=60)  # blocked forever before
+    assert_user_error(proc, str(last), ".metadata is a FIFO")
+
+
+def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
+    from ddpkit.commands.outputs import check_output
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    for force in (False, True):
+        with pytest.raises(UserError, match="--json '.*out.json' is a FIFO, not a file"):
+            check_output(fifo, ".json", "--json", force)
+    script = tmp_path / "train.py"
+    os.mkfifo(script)
+    run_proc, report_proc = run_clis(
+        ["run", str(script)], ["report", str(tmp_path), "--json", str(fifo)], timeout=60
+    )
+    assert_user_error(run_proc, "train.py' is a FIFO")
+    assert_user_error(report_proc, "out.json' is a FIFO")

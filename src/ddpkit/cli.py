@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddpkit.commands import Command, all_commands, get_command
-from ddpkit.errors import Failure, UserError
+from ddpkit.errors import Failure, UserError, escaped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = e.exit_code
     except Failure as e:
         if e.report:  # one line for the job: the raiser decided whether this process says it
-            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
+            print(f"{e.prefix}{escaped(str(e))}", file=sys.stderr, flush=True)
         code = e.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from ddpkit.errors import describe_os_error
 
         what, hint = describe_os_error(e)
-        print(f"ddpkit: error: {what} ({hint})", file=sys.stderr, flush=True)
+        print(f"ddpkit: error: {escaped(what)} ({hint})", file=sys.stderr, flush=True)
         code = 1
     try:
         sys.stdout.flush()

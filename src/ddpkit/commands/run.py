@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ddpkit.atomicio import NotRegularFile, check_regular
 from ddpkit.distributed import local_rank
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 
@@ -83,6 +84,10 @@ def _check_target(target: list[str]) -> None:
             raise UserError(f"script '{script}' does not exist", "check the path (relative to this folder)")
         if os.path.isdir(script):
             raise UserError(f"script '{script}' is a folder", "give a .py file, or -m PACKAGE.MODULE")
+        try:
+            check_regular(script)
+        except NotRegularFile as e:  # a FIFO would block every worker reading it
+            raise UserError(f"script '{script}' is {e.strerror}, not a file", "give a .py file") from None
 
 
 def _exec(target: list[str]) -> None:
