@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -445,3 +446,56 @@ def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
     )
     assert_user_error(run_proc, "train.py' is a FIFO")
     assert_user_error(report_proc, "out.json' is a FIFO")
+
+
+# ------------------------------------------------------------------------------- the library's arguments
+
+
+def _plans():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return [{"l2": "colwise"}, {"l2": 1}, {"l2": ColwiseParallel}, "l2", {3: ColwiseParallel()}]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        *[({"tp": 2, "tp_plan": plan}, "tp_plan") for plan in _plans()],
+        ({"tp": "2"}, "tp must be a whole number >= 1, not a str"),
+        ({"tp": 2.5}, "tp must be a whole number >= 1"),
+        ({"tp": True}, "tp must be a whole number"),
+        ({"pp": 0}, "pp must be a whole number >= 1"),
+        ({"pp": 2, "loss_fn": "mse"}, "loss_fn must be a function"),
+        ({"pp_microbatches": 0}, "pp_microbatches"),
+        ({"seed": "0"}, "seed must be a whole number"),
+        ({"roles": "train"}, "roles must be a list of names"),
+        ({"strategy": None}, "strategy must be a name"),
+    ],
+)
+def test_prepare_checks_each_argument_before_anything_is_made(kwargs, fragment):
+    import ddpkit
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        ddpkit.prepare(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"nprocs": 10**6}, "nprocs must be a whole number from 1 to 1024, got 1000000"),
+        ({"nprocs": True}, "got True"),
+        ({"nprocs": 2.0}, "got 2.0"),
+        ({"nprocs": 2, "timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
+        ({"nprocs": 2, "timeout_s": float("inf")}, "timeout_s"),
+        ({"nprocs": 2, "backend": "mpi "}, "backend must be one of"),
+        ({"nprocs": 2, "start_method": "vfork"}, "start_method"),
+    ],
+)
+def test_launch_checks_each_argument_before_any_process_starts(kwargs, fragment):
+    import ddpkit
+
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        ddpkit.launch(print, **kwargs)
+    with pytest.raises(UserError, match="fn must be a function"):
+        ddpkit.launch("print", nprocs=1)
