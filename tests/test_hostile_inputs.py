@@ -499,3 +499,67 @@ def test_launch_checks_each_argument_before_any_process_starts(kwargs, fragment)
         ddpkit.launch(print, **kwargs)
     with pytest.raises(UserError, match="fn must be a function"):
         ddpkit.launch("print", nprocs=1)
+
+
+# ------------------------------------------------------------------------------------ control characters
+
+
+@pytest.mark.parametrize("char", ["\x1b", "\x7f", "\x01", "\x9b"])
+def test_control_characters_in_a_value_or_a_config_file_are_one_line(tmp_path, char):
+    from ddpkit.config import load_config
+
+    with pytest.raises(
+        UserError, match=re.escape(f"the value of out_dir holds a control character ({char!r})")
+    ):
+        load_config(overrides=[f"out_dir=runs/a{char}b"])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"seed: 1\nout_dir: a{char}b\n")
+    with pytest.raises(UserError, match=re.escape(f"holds a control character ({char!r}) at line 2")):
+        load_config(str(config))
+
+
+def test_a_line_break_in_a_value_is_refused_not_folded_into_a_space():
+    from ddpkit.config import load_config
+
+    for raw in ("runs/a\nb", "runs/a\rb"):
+        with pytest.raises(UserError, match="the value of out_dir holds a line break"):
+            load_config(overrides=[f"out_dir={raw}"])
+
+
+def test_paths_in_error_lines_are_printed_with_their_control_characters_escaped(tmp_path):
+    evil = "x\x1b]0;owned\x07\x1b[2J"
+    proc = run_cli("report", str(tmp_path / evil))
+    line = assert_user_error(proc, r"x\x1b]0;owned\x07\x1b[2J")
+    assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr, line
+    assert UserError(f"'{evil}'", "hint").line() == r"'x\x1b]0;owned\x07\x1b[2J' (hint)"
+
+
+def test_the_one_process_strategy_dp_is_refused_with_tensor_parallel():
+    from ddpkit.parallel.mesh import layout_of, strategy_over_dp
+
+    with pytest.raises(UserError, match="dist.strategy=dp runs one process, not the 2 ranks of dist.tp=2"):
+        strategy_over_dp("dp", layout_of(2, 2))
+    assert strategy_over_dp("single", layout_of(2, 2)) == "single"
+
+
+def test_a_reader_that_stops_early_is_not_a_disk_error():
+    proc = subprocess.run(
+        f"{sys.executable} -m ddpkit k8s | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env=cli_env({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}),
+        executable="/bin/bash",
+        timeout=120,
+    )
+    assert proc.stdout.startswith("# Written by `ddpkit k8s`") and proc.stderr == "", proc.stderr
+
+
+def test_a_hard_linked_log_is_found_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    other = victim(tmp_path, 10)
+    os.link(other, out / "log.txt")
+    proc = run_cli("train", f"out_dir={out}", *QUICK)
+    assert_user_error(proc, "log.txt' is a file with other hard links")
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt"]
