@@ -563,3 +563,32 @@ def test_a_hard_linked_log_is_found_before_anything_is_written(tmp_path):
     proc = run_cli("train", f"out_dir={out}", *QUICK)
     assert_user_error(proc, "log.txt' is a file with other hard links")
     assert sorted(p.name for p in out.iterdir()) == ["log.txt"]
+
+
+# ------------------------------------------------------------------------------- processes that are not ours
+
+
+def test_stacks_never_signals_a_process_that_took_a_stale_job_folders_pids(tmp_path, monkeypatch):
+    import tempfile
+
+    from ddpkit.commands.stacks import stacks_command
+    from ddpkit.diagnostics.stacks import JOB_PREFIX, LAUNCHER_FILE, identity, proven
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # an unrelated process of this user that got the pids a SIGKILLed launcher and its rank had recorded
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = tmp_path / f"{JOB_PREFIX}{other.pid}-abc"
+        stale.mkdir()
+        (stale / LAUNCHER_FILE).write_text(f"{other.pid} 12345-0000000000000000")
+        (stale / "rank0.pid").write_text(f"{other.pid} 12345-0000000000000000")
+        with pytest.raises(UserError, match="no ddpkit launcher"):
+            stacks_command([])
+        assert other.poll() is None, "SIGUSR2 reached an unrelated process"
+        assert not stale.exists()
+        mine = tmp_path / "me.pid"
+        mine.write_text(f"{other.pid} {identity(other.pid)}")
+        assert proven(mine) == other.pid  # the same process, recorded by itself, is proven
+    finally:
+        other.kill()
+        other.wait()
