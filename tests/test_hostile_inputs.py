@@ -592,3 +592,16 @@ def test_stacks_never_signals_a_process_that_took_a_stale_job_folders_pids(tmp_p
     finally:
         other.kill()
         other.wait()
+
+
+# ---------------------------------------------------------------------------- ddpkit's errors inside a script
+
+
+@pytest.mark.slow
+def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
+    script = tmp_path / "bad_prepare.py"
+    script.write_text("import torch\nimport ddpkit\n\nddpkit.prepare(torch.nn.Linear(2, 2), tp='2')\n")
+    for launcher in ("torchrun", "spawn"):  # spawn: torch's "Terminating process" warning is not repeated
+        proc = run_cli("run", "--launcher", launcher, "--nproc-per-node", "2", str(script), cwd=tmp_path)
+        assert_user_error(proc, "ddpkit.prepare(tp='2'): tp must be a whole number")
+        assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr

@@ -140,7 +140,8 @@ def run_command(argv: Sequence[str]) -> int:
         if e.signum is not None:  # this launcher was signalled: the script's workers were stopped
             return 128 + e.signum
         return Preempted.exit_code
-    except WorkerFailure as e:
-        print(f"ddpkit: {e}", file=sys.stderr, flush=True)
+    except WorkerFailure as e:  # exit 2: a UserError ddpkit raised inside the script, said once for the job
+        prefix = "ddpkit: error: " if e.exit_code == UserError.exit_code else "ddpkit: "
+        print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
