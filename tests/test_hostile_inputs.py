@@ -605,3 +605,57 @@ def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
         proc = run_cli("run", "--launcher", launcher, "--nproc-per-node", "2", str(script), cwd=tmp_path)
         assert_user_error(proc, "ddpkit.prepare(tp='2'): tp must be a whole number")
         assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------------- signals in every wait
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_launcher_waiting_for_other_nodes_at_once(tmp_path, signum):
+    from ddpkit.launcher.launch import free_port
+
+    (tmp_path / "hi.py").write_text("print('ran')\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--nproc-per-node",
+        "1",
+    ]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-timeout", "300", "hi.py"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not catches(proc.pid, signal.SIGTERM):  # the launcher's forwarder is in place: it is waiting
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.poll() else ""
+            )
+            time.sleep(0.1)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        proc.wait(timeout=20)  # before: only SIGKILL ended it
+        assert time.monotonic() - sent < 10
+    finally:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signum, err
+    assert (
+        f"received {signal.Signals(signum).name} before any worker started" in err and "Traceback" not in err
+    )
