@@ -8,6 +8,7 @@ timeout, the rest are CLI calls that are refused before any work).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -659,3 +660,36 @@ def test_a_signal_ends_a_launcher_waiting_for_other_nodes_at_once(tmp_path, sign
     assert (
         f"received {signal.Signals(signum).name} before any worker started" in err and "Traceback" not in err
     )
+
+
+# ------------------------------------------------------------------------------------ a job's process tree
+
+KIDS = """import os, subprocess, sys
+child = subprocess.Popen(["sleep", "300"])
+forked = os.fork()
+if forked == 0:
+    os.execvp("sleep", ["sleep", "301"])
+with open(sys.argv[1] + "." + os.environ["RANK"], "w") as f:
+    f.write(f"{child.pid} {forked}")
+"""
+
+
+@pytest.mark.slow
+def test_children_a_script_starts_end_with_the_job(tmp_path):
+    (tmp_path / "kids.py").write_text(KIDS)
+    proc = run_cli("run", "--nproc-per-node", "2", "kids.py", str(tmp_path / "pids"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+    try:
+        assert len(pids) == 4
+        left = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0]
+        ]
+        assert left == [], "processes the script started outlived the job"
+    finally:
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
