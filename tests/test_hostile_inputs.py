@@ -693,3 +693,65 @@ def test_children_a_script_starts_end_with_the_job(tmp_path):
         for p in pids:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- checkpoint errors name the thing
+
+
+def test_sharded_checkpoint_errors_name_the_file_the_tensor_and_both_shapes(tmp_path):
+    from conftest import dist_context
+    from ddpkit.checkpoint.sharded import read_model
+    from ddpkit.parallel.strategy import Strategy
+    from ddpkit.train.builders import load_weights
+
+    last = dcp_folder(tmp_path)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(7))
+    with pytest.raises(UserError) as caught:  # eval: no optimizer, and advice about eval's settings
+        load_weights(Strategy(dist_context(0, 1)), model, {}, last, "mlp")
+    line = caught.value.line()
+    assert "tensor 'model.w' has shape [6] in the checkpoint and [7] in this model" in line
+    assert "checkpoint.path" in line and "out_dir" not in line and "CheckpointException" not in line
+    shard = next(last.glob("*.distcp"))
+    size = shard.stat().st_size
+    for damage, fragment in [
+        (b"\0" * size, f"a shard of {last} read by rank 0 is damaged: it is not a torch.save file"),
+        (shard.read_bytes()[: size // 2], f"its shard {shard.name} holds {size // 2} bytes"),
+        (None, f"its shard {shard.name} is missing"),
+    ]:
+        if damage is None:
+            shard.unlink()
+        else:
+            shard.write_bytes(damage)
+        with pytest.raises((UserError, ValueError), match=re.escape(fragment)):
+            read_model(last)
+
+
+SIZE_LIMITED_SAVE = """import resource, signal, sys, torch
+from pathlib import Path
+from ddpkit.checkpoint import CheckpointDir
+from ddpkit.errors import describe_os_error
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+ckpts = CheckpointDir(Path(sys.argv[1]), sharded=True)
+try:
+    ckpts.save_sharded({"model.w": torch.zeros(100000)}, {"epoch": 1, "step": 1, "consumed": 0}, True, False)
+except OSError as e:
+    print(" / ".join(describe_os_error(e)))
+"""
+
+
+def test_a_sharded_save_that_runs_out_of_room_names_the_folder(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", SIZE_LIMITED_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert proc.stdout.startswith(
+        f"file too large writing '{tmp_path / 'checkpoints' / 'epoch_0001.dcp'}'"
+    ), (
+        proc.stdout,
+        proc.stderr[-2000:],
+    )

@@ -104,21 +104,57 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
     tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
-    with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+    except (
+        CheckpointException
+    ) as e:  # a full disk, a size limit: the OSError, naming the folder being written
+        error = _write_error(e)
+        if error is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(target)) from None
     if is_main:
         atomic_write(tmp / SIDE, lambda fh: torch.save({**side, "format": FORMAT}, fh))
         dcp_io.replace_folder(tmp, target)
 
 
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed DCP save on any rank (DCP wraps each rank's in a CheckpointException)."""
+    from ddpkit.atomicio import os_cause
+
+    for failure in (getattr(e, "_failures", {}) or {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        if isinstance(cause, BaseException) and (found := os_cause(cause)) is not None:
+            return found
+    return None
+
+
 # -------------------------------------------------------------------------------------------- loading
+
+
+def _check_shapes(path: Path, template: dict[str, torch.Tensor]) -> None:
+    """Every tensor of `template` is in the folder's metadata with the same full shape: a KeyError or ValueError
+    naming the tensor and both shapes otherwise (DCP's own message names neither)."""
+    entries = dcp_io.tensor_entries(dcp_io.read_metadata(path))
+    for key, value in template.items():
+        if key not in entries:
+            raise KeyError(f"tensor '{key}' of this model is not in the checkpoint")
+        saved, here = tuple(entries[key].size), tuple(value.shape)
+        if saved != here:
+            raise ValueError(
+                f"tensor '{key}' has shape {list(saved)} in the checkpoint and {list(here)} in this model"
+            )
 
 
 def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _check_shapes(path, template)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -129,9 +165,18 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
                 no_dist=_no_dist(),
             )
     except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
-        failures = list(getattr(e, "_failures", {}).values())
-        cause = getattr(failures[0], "exc", None) if failures else None
-        raise ValueError(str(cause or e).splitlines()[0]) from None
+        from ddpkit.checkpoint import unreadable_reason
+
+        failures = getattr(e, "_failures", {}) or {}
+        rank, failure = next(iter(failures.items()), (None, None))
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        if not isinstance(cause, BaseException):
+            raise ValueError(str(e).splitlines()[0]) from None
+        if isinstance(cause, (KeyError, ValueError, RuntimeError)) and "shape" in str(cause):
+            raise ValueError(str(cause).splitlines()[0]) from None
+        raise ValueError(
+            f"a shard of {path} read by rank {rank} is damaged: {unreadable_reason(cause)}"
+        ) from None
 
 
 def _optim_template(md, names: set[str]) -> dict[str, torch.Tensor]:
