@@ -1,9 +1,13 @@
-"""Hostile and careless inputs, second round: files ddpkit did not write are never touched, every reader is
-bounded, every input is checked before the first write, one failure is one line, and no rank hangs silently.
+"""Hostile and careless inputs, rounds two and three: files ddpkit did not write are never touched, every reader
+is bounded and never waits on a FIFO, every input (config, sizes, the library's arguments) is checked before the
+first write, one failure is one line (also from inside a user's script), no rank hangs silently, signals end
+every wait, and no process that is not the job's is signalled or left behind.
 
-Time budget: about 90 s on a quiet 2-core machine (one 2-epoch training and one resume of it shared by the
-resume tests, one `ddpkit eval` and one `ddpkit run` of 2 workers, the stuck-rank run waits its 10 s straggler
-timeout, the rest are CLI calls that are refused before any work).
+Time budget: about 90 s for round two on a quiet 2-core machine (one 2-epoch training and one resume of it
+shared by the resume tests, one `ddpkit eval` and one `ddpkit run` of 2 workers, the stuck-rank run waits its
+10 s straggler timeout, the rest are CLI calls that are refused before any work); round three adds about 150 s
+(two 2-worker runs of a script raising a UserError, one of a script starting children, two launchers stopped at
+a rendezvous, a dozen one-process CLI calls; the rest in this process).
 """
 
 from __future__ import annotations
