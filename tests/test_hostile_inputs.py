@@ -1,15 +1,21 @@
-"""Hostile and careless inputs, second round: files ddpkit did not write are never touched, every reader is
-bounded, every input is checked before the first write, one failure is one line, and no rank hangs silently.
+"""Hostile and careless inputs, rounds two and three: files ddpkit did not write are never touched, every reader
+is bounded and never waits on a FIFO, every input (config, sizes, the library's arguments) is checked before the
+first write, one failure is one line (also from inside a user's script), no rank hangs silently, signals end
+every wait, and no process that is not the job's is signalled or left behind.
 
-Time budget: about 90 s on a quiet 2-core machine (one 2-epoch training and one resume of it shared by the
-resume tests, one `ddpkit eval` and one `ddpkit run` of 2 workers, the stuck-rank run waits its 10 s straggler
-timeout, the rest are CLI calls that are refused before any work).
+Time budget: about 90 s for round two on a quiet 2-core machine (one 2-epoch training and one resume of it
+shared by the resume tests, one `ddpkit eval` and one `ddpkit run` of 2 workers, the stuck-rank run waits its
+10 s straggler timeout, the rest are CLI calls that are refused before any work); round three adds about 150 s
+(two 2-worker runs of a script raising a UserError, one of a script starting children, two launchers stopped at
+a rendezvous, a dozen one-process CLI calls; the rest in this process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli
+from conftest import QUICK_MLP, REPO, assert_user_error, cli_env, run_cli, run_clis
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from ddpkit.errors import UserError
 from ddpkit.train.metrics import RunLog
@@ -359,3 +365,397 @@ def test_straggler_action_stop_ends_the_ranks_still_running_after_naming_them(tm
     assert "rank 1 still running 1 s after rank 0 ended; ending them" in said[0]
     assert "[rank1]:" in said[0] and "waiting_rank" in said[0]
     assert not watch.job.exists()  # the job folder goes with the launch
+
+
+# ---------------------------------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.n_embd=1000000000", "model.n_head=1"], "model.n_embd"),
+        (["model.n_layer=1000000000"], "model.n_layer"),
+        (["model.n_layer=100000"], "model.n_layer"),
+        (["model.n_layer=1000", "model.n_embd=8192", "model.n_head=8"], "make model.n_layer smaller"),
+        (["model.n_embd=65536", "model.n_head=1"], "make model.n_embd smaller"),
+        (["train.batch_size=100000", "data.block_size=100000"], "train.batch_size or data.block_size"),
+    ],
+)
+def test_a_model_too_large_for_the_machine_is_refused_before_anything_is_built(overrides, key):
+    from ddpkit.config import load_config
+    from ddpkit.models import check_arch
+
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        check_arch(load_config(overrides=["model.arch=gpt", "data.dataset=text", *overrides]))
+
+
+def test_a_huge_gpt_is_one_line_at_once(tmp_path):
+    (tmp_path / "t.txt").write_text("abc\n" * 1000)
+    start = time.monotonic()
+    proc = run_cli(
+        "train",
+        "model.arch=gpt",
+        "data.dataset=text",
+        f"data.root={tmp_path / 't.txt'}",
+        "model.n_layer=500",
+        "model.n_embd=16384",
+        "model.n_head=16",
+        f"out_dir={tmp_path / 'run'}",
+        "--nproc-per-node",
+        "2",
+    )
+    assert_user_error(proc, "model.n_layer=500", "GiB", "make model.n_layer smaller")
+    assert time.monotonic() - start < 60 and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ FIFOs where a file is expected
+
+
+def dcp_folder(root: Path) -> Path:
+    """A one-tensor sharded checkpoint written by this process: (its folder)."""
+    ckpts = CheckpointDir(root, sharded=True)
+    ckpts.save_sharded(
+        {"model.w": torch.arange(6.0)}, {"epoch": 1, "step": 1, "consumed": 0}, is_main=True, is_best=False
+    )
+    return ckpts.last
+
+
+def test_a_fifo_inside_a_sharded_checkpoint_is_one_line_not_a_wait(tmp_path):
+    from ddpkit.checkpoint.sharded import read_model
+
+    last = dcp_folder(tmp_path)
+    assert read_model(last)["w"].tolist() == list(range(6))
+    shard = next(last.glob("*.distcp"))
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(UserError, match=f"its shard {shard.name} is a FIFO"):
+        read_model(last)
+    (last / ".metadata").unlink()
+    os.mkfifo(last / ".metadata")
+    proc = run_cli("eval", f"checkpoint.path={last}", timeout=60)  # blocked forever before
+    assert_user_error(proc, str(last), ".metadata is a FIFO")
+
+
+def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
+    from ddpkit.commands.outputs import check_output
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    for force in (False, True):
+        with pytest.raises(UserError, match="--json '.*out.json' is a FIFO, not a file"):
+            check_output(fifo, ".json", "--json", force)
+    script = tmp_path / "train.py"
+    os.mkfifo(script)
+    run_proc, report_proc = run_clis(
+        ["run", str(script)], ["report", str(tmp_path), "--json", str(fifo)], timeout=60
+    )
+    assert_user_error(run_proc, "train.py' is a FIFO")
+    assert_user_error(report_proc, "out.json' is a FIFO")
+
+
+# ------------------------------------------------------------------------------- the library's arguments
+
+
+def _plans():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return [{"l2": "colwise"}, {"l2": 1}, {"l2": ColwiseParallel}, "l2", {3: ColwiseParallel()}]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        *[({"tp": 2, "tp_plan": plan}, "tp_plan") for plan in _plans()],
+        ({"tp": "2"}, "tp must be a whole number >= 1, not a str"),
+        ({"tp": 2.5}, "tp must be a whole number >= 1"),
+        ({"tp": True}, "tp must be a whole number"),
+        ({"pp": 0}, "pp must be a whole number >= 1"),
+        ({"pp": 2, "loss_fn": "mse"}, "loss_fn must be a function"),
+        ({"pp_microbatches": 0}, "pp_microbatches"),
+        ({"seed": "0"}, "seed must be a whole number"),
+        ({"roles": "train"}, "roles must be a list of names"),
+        ({"strategy": None}, "strategy must be a name"),
+    ],
+)
+def test_prepare_checks_each_argument_before_anything_is_made(kwargs, fragment):
+    import ddpkit
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        ddpkit.prepare(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"nprocs": 10**6}, "nprocs must be a whole number from 1 to 1024, got 1000000"),
+        ({"nprocs": True}, "got True"),
+        ({"nprocs": 2.0}, "got 2.0"),
+        ({"nprocs": 2, "timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
+        ({"nprocs": 2, "timeout_s": float("inf")}, "timeout_s"),
+        ({"nprocs": 2, "backend": "mpi "}, "backend must be one of"),
+        ({"nprocs": 2, "start_method": "vfork"}, "start_method"),
+    ],
+)
+def test_launch_checks_each_argument_before_any_process_starts(kwargs, fragment):
+    import ddpkit
+
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        ddpkit.launch(print, **kwargs)
+    with pytest.raises(UserError, match="fn must be a function"):
+        ddpkit.launch("print", nprocs=1)
+
+
+# ------------------------------------------------------------------------------------ control characters
+
+
+@pytest.mark.parametrize("char", ["\x1b", "\x7f", "\x01", "\x9b"])
+def test_control_characters_in_a_value_or_a_config_file_are_one_line(tmp_path, char):
+    from ddpkit.config import load_config
+
+    with pytest.raises(
+        UserError, match=re.escape(f"the value of out_dir holds a control character ({char!r})")
+    ):
+        load_config(overrides=[f"out_dir=runs/a{char}b"])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"seed: 1\nout_dir: a{char}b\n")
+    with pytest.raises(UserError, match=re.escape(f"holds a control character ({char!r}) at line 2")):
+        load_config(str(config))
+
+
+def test_a_line_break_in_a_value_is_refused_not_folded_into_a_space():
+    from ddpkit.config import load_config
+
+    for raw in ("runs/a\nb", "runs/a\rb"):
+        with pytest.raises(UserError, match="the value of out_dir holds a line break"):
+            load_config(overrides=[f"out_dir={raw}"])
+
+
+def test_paths_in_error_lines_are_printed_with_their_control_characters_escaped(tmp_path):
+    evil = "x\x1b]0;owned\x07\x1b[2J"
+    proc = run_cli("report", str(tmp_path / evil))
+    line = assert_user_error(proc, r"x\x1b]0;owned\x07\x1b[2J")
+    assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr, line
+    assert UserError(f"'{evil}'", "hint").line() == r"'x\x1b]0;owned\x07\x1b[2J' (hint)"
+
+
+def test_the_one_process_strategy_dp_is_refused_with_tensor_parallel():
+    from ddpkit.parallel.mesh import layout_of, strategy_over_dp
+
+    with pytest.raises(UserError, match="dist.strategy=dp runs one process, not the 2 ranks of dist.tp=2"):
+        strategy_over_dp("dp", layout_of(2, 2))
+    assert strategy_over_dp("single", layout_of(2, 2)) == "single"
+
+
+def test_a_reader_that_stops_early_is_not_a_disk_error():
+    proc = subprocess.run(
+        f"{sys.executable} -m ddpkit k8s | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env=cli_env({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}),
+        executable="/bin/bash",
+        timeout=120,
+    )
+    assert proc.stdout.startswith("# Written by `ddpkit k8s`") and proc.stderr == "", proc.stderr
+
+
+def test_a_hard_linked_log_is_found_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    other = victim(tmp_path, 10)
+    os.link(other, out / "log.txt")
+    proc = run_cli("train", f"out_dir={out}", *QUICK)
+    assert_user_error(proc, "log.txt' is a file with other hard links")
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt"]
+
+
+# ------------------------------------------------------------------------------- processes that are not ours
+
+
+def test_stacks_never_signals_a_process_that_took_a_stale_job_folders_pids(tmp_path, monkeypatch):
+    import tempfile
+
+    from ddpkit.commands.stacks import stacks_command
+    from ddpkit.diagnostics.stacks import JOB_PREFIX, LAUNCHER_FILE, identity, proven
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # an unrelated process of this user that got the pids a SIGKILLed launcher and its rank had recorded
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = tmp_path / f"{JOB_PREFIX}{other.pid}-abc"
+        stale.mkdir()
+        (stale / LAUNCHER_FILE).write_text(f"{other.pid} 12345-0000000000000000")
+        (stale / "rank0.pid").write_text(f"{other.pid} 12345-0000000000000000")
+        with pytest.raises(UserError, match="no ddpkit launcher"):
+            stacks_command([])
+        assert other.poll() is None, "SIGUSR2 reached an unrelated process"
+        assert not stale.exists()
+        mine = tmp_path / "me.pid"
+        mine.write_text(f"{other.pid} {identity(other.pid)}")
+        assert proven(mine) == other.pid  # the same process, recorded by itself, is proven
+    finally:
+        other.kill()
+        other.wait()
+
+
+# ---------------------------------------------------------------------------- ddpkit's errors inside a script
+
+
+@pytest.mark.slow
+def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
+    script = tmp_path / "bad_prepare.py"
+    script.write_text("import torch\nimport ddpkit\n\nddpkit.prepare(torch.nn.Linear(2, 2), tp='2')\n")
+    for launcher in ("torchrun", "spawn"):  # spawn: torch's "Terminating process" warning is not repeated
+        proc = run_cli("run", "--launcher", launcher, "--nproc-per-node", "2", str(script), cwd=tmp_path)
+        assert_user_error(proc, "ddpkit.prepare(tp='2'): tp must be a whole number")
+        assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------------- signals in every wait
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_launcher_waiting_for_other_nodes_at_once(tmp_path, signum):
+    from ddpkit.launcher.launch import free_port
+
+    (tmp_path / "hi.py").write_text("print('ran')\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--nproc-per-node",
+        "1",
+    ]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-timeout", "300", "hi.py"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not catches(proc.pid, signal.SIGTERM):  # the launcher's forwarder is in place: it is waiting
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.poll() else ""
+            )
+            time.sleep(0.1)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        proc.wait(timeout=20)  # before: only SIGKILL ended it
+        assert time.monotonic() - sent < 10
+    finally:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signum, err
+    assert (
+        f"received {signal.Signals(signum).name} before any worker started" in err and "Traceback" not in err
+    )
+
+
+# ------------------------------------------------------------------------------------ a job's process tree
+
+KIDS = """import os, subprocess, sys
+child = subprocess.Popen(["sleep", "300"])
+forked = os.fork()
+if forked == 0:
+    os.execvp("sleep", ["sleep", "301"])
+with open(sys.argv[1] + "." + os.environ["RANK"], "w") as f:
+    f.write(f"{child.pid} {forked}")
+"""
+
+
+@pytest.mark.slow
+def test_children_a_script_starts_end_with_the_job(tmp_path):
+    (tmp_path / "kids.py").write_text(KIDS)
+    proc = run_cli("run", "--nproc-per-node", "2", "kids.py", str(tmp_path / "pids"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+    try:
+        assert len(pids) == 4
+        left = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0]
+        ]
+        assert left == [], "processes the script started outlived the job"
+    finally:
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- checkpoint errors name the thing
+
+
+def test_sharded_checkpoint_errors_name_the_file_the_tensor_and_both_shapes(tmp_path):
+    from conftest import dist_context
+    from ddpkit.checkpoint.sharded import read_model
+    from ddpkit.parallel.strategy import Strategy
+    from ddpkit.train.builders import load_weights
+
+    last = dcp_folder(tmp_path)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(7))
+    with pytest.raises(UserError) as caught:  # eval: no optimizer, and advice about eval's settings
+        load_weights(Strategy(dist_context(0, 1)), model, {}, last, "mlp")
+    line = caught.value.line()
+    assert "tensor 'model.w' has shape [6] in the checkpoint and [7] in this model" in line
+    assert "checkpoint.path" in line and "out_dir" not in line and "CheckpointException" not in line
+    shard = next(last.glob("*.distcp"))
+    size = shard.stat().st_size
+    for damage, fragment in [
+        (b"\0" * size, f"a shard of {last} read by rank 0 is damaged: it is not a torch.save file"),
+        (shard.read_bytes()[: size // 2], f"its shard {shard.name} holds {size // 2} bytes"),
+        (None, f"its shard {shard.name} is missing"),
+    ]:
+        if damage is None:
+            shard.unlink()
+        else:
+            shard.write_bytes(damage)
+        with pytest.raises((UserError, ValueError), match=re.escape(fragment)):
+            read_model(last)
+
+
+SIZE_LIMITED_SAVE = """import resource, signal, sys, torch
+from pathlib import Path
+from ddpkit.checkpoint import CheckpointDir
+from ddpkit.errors import describe_os_error
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+ckpts = CheckpointDir(Path(sys.argv[1]), sharded=True)
+try:
+    ckpts.save_sharded({"model.w": torch.zeros(100000)}, {"epoch": 1, "step": 1, "consumed": 0}, True, False)
+except OSError as e:
+    print(" / ".join(describe_os_error(e)))
+"""
+
+
+def test_a_sharded_save_that_runs_out_of_room_names_the_folder(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", SIZE_LIMITED_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert proc.stdout.startswith(
+        f"file too large writing '{tmp_path / 'checkpoints' / 'epoch_0001.dcp'}'"
+    ), (
+        proc.stdout,
+        proc.stderr[-2000:],
+    )

@@ -118,6 +118,55 @@ def open_own(path: str | os.PathLike, flags: int, mode: int = 0o666, dir_fd: int
     return fd
 
 
+class NotRegularFile(OSError):
+    """A path where ddpkit reads or writes a file holds a FIFO, a device, a socket or a folder."""
+
+
+def kind_of(mode: int) -> str:
+    """'a FIFO', 'a folder', ... for a file's st_mode."""
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular(path: str | os.PathLike) -> os.stat_result | None:
+    """os.stat(path) when it is a regular file, None when nothing is there; NotRegularFile (naming the kind)
+    for a FIFO, device, socket or folder, which opening would block on or misread. Use open_regular where
+    ddpkit opens the file itself (no window between the check and the open)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, kind_of(st.st_mode), str(path))
+    return st
+
+
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o666) -> int:
+    """os.open that never blocks on a FIFO or device: opened with O_NONBLOCK, checked with fstat, then made
+    blocking. NotRegularFile (naming the kind) when `path` is not a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader opened for writing; a folder
+            st = os.stat(path)
+            raise NotRegularFile(errno.EINVAL, kind_of(st.st_mode), str(path)) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, kind_of(st.st_mode), str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _open_folder(folder: str | os.PathLike) -> int | None:
     try:
         return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddpkit.commands import Command, all_commands, get_command
-from ddpkit.errors import Failure, UserError
+from ddpkit.errors import Failure, UserError, escaped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,6 +193,18 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
         shutdown()
 
 
+def _stdout_gone() -> bool:
+    """This process's stdout is a pipe whose reader closed it (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
@@ -210,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = e.exit_code
     except Failure as e:
         if e.report:  # one line for the job: the raiser decided whether this process says it
-            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
+            print(f"{e.prefix}{escaped(str(e))}", file=sys.stderr, flush=True)
         code = e.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
@@ -218,9 +230,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as e:  # a disk that filled up or went read-only, a path that is not a folder, ...
         from ddpkit.errors import describe_os_error
 
-        what, hint = describe_os_error(e)
-        print(f"ddpkit: error: {what} ({hint})", file=sys.stderr, flush=True)
-        code = 1
+        code = 0
+        if not (isinstance(e, BrokenPipeError) and _stdout_gone()):  # `ddpkit k8s | head -1`: not an error
+            what, hint = describe_os_error(e)
+            print(f"ddpkit: error: {escaped(what)} ({hint})", file=sys.stderr, flush=True)
+            code = 1
     try:
         sys.stdout.flush()
     except (BrokenPipeError, ValueError):  # the reader of our stdout went away: nothing left to say to it

@@ -22,7 +22,15 @@ class UserError(Exception):
         super().__init__(self.line())
 
     def line(self) -> str:
-        return f"{self.what} ({self.hint})" if self.hint else self.what
+        return escaped(f"{self.what} ({self.hint})" if self.hint else self.what)
+
+
+def escaped(text: str) -> str:
+    """`text` safe to print on a terminal as one line: every non-printable character (ESC, DEL, a newline, \\x01,
+    ...) written as its Python escape, so a path cannot set a terminal's title or clear its screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class Failure(Exception):

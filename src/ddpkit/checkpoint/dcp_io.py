@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ddpkit.atomicio import fsync_dir, sweep_temporaries, umask
+from ddpkit.atomicio import NotRegularFile, check_regular, fsync_dir, open_regular, sweep_temporaries, umask
 from ddpkit.errors import UserError
 
 METADATA = ".metadata"
@@ -66,12 +66,17 @@ def read_metadata(folder: str | os.PathLike):
 
     path = Path(folder) / METADATA
     try:
-        if path.stat().st_size > MAX_METADATA_BYTES:
-            raise UserError(
-                f"checkpoint '{folder}' is unreadable: its {METADATA} is larger than any real one"
-            )
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:
+            if os.fstat(fh.fileno()).st_size > MAX_METADATA_BYTES:
+                raise UserError(
+                    f"checkpoint '{folder}' is unreadable: its {METADATA} is larger than any real one"
+                )
             md = _MetadataUnpickler(fh).load()
+    except NotRegularFile as e:
+        raise UserError(
+            f"checkpoint '{folder}' is unreadable: its {METADATA} is {e.strerror}, not a file",
+            "point to a complete checkpoint written by ddpkit train",
+        ) from None
     except FileNotFoundError:
         raise UserError(
             f"checkpoint '{folder}' is unreadable: it has no {METADATA} (an unfinished save?)",
@@ -89,7 +94,33 @@ def read_metadata(folder: str | os.PathLike):
             "point to a complete checkpoint written by ddpkit train",
         ) from None
     _check_metadata(md, Metadata, folder)
+    _check_storage(md, Path(folder))
     return md
+
+
+def _check_storage(md: Any, folder: Path) -> None:
+    """Every shard file the metadata names is a regular file in `folder` holding at least the bytes its entries
+    reach (a FIFO would block the reader; a missing or cut shard would fail deep inside DCP, naming nothing)."""
+    reach: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        end = int(getattr(info, "offset", 0) or 0) + int(getattr(info, "length", 0) or 0)
+        reach[info.relative_path] = max(reach.get(info.relative_path, 0), end)
+    hint = "point to a complete checkpoint written by ddpkit train"
+    for name, end in sorted(reach.items()):
+        try:
+            st = check_regular(folder / name)
+        except NotRegularFile as e:
+            raise UserError(
+                f"checkpoint '{folder}' is unreadable: its shard {name} is {e.strerror}, not a file", hint
+            ) from None
+        if st is None:
+            raise UserError(f"checkpoint '{folder}' is unreadable: its shard {name} is missing", hint)
+        if st.st_size < end:
+            raise UserError(
+                f"checkpoint '{folder}' is unreadable: its shard {name} holds {st.st_size} bytes, its tensors "
+                f"reach byte {end} (cut short)",
+                hint,
+            )
 
 
 def _check_metadata(md: Any, cls: type, folder: Any) -> None:

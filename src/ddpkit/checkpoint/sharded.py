@@ -65,11 +65,22 @@ def _optimizer_parts(module: nn.Module, optimizer: Any) -> tuple[dict, list]:
     return osd[STATE], groups
 
 
+def _savable(value: torch.Tensor) -> torch.Tensor:
+    """`value` as DCP can write it: a DTensor's pending (Partial) sums reduced first, so its placements are only
+    Shard and Replicate. Collective over the DTensor's mesh; any other tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor) or not any(p.is_partial() for p in value.placements):
+        return value
+    placements = [Replicate() if p.is_partial() else p for p in value.placements]
+    return value.redistribute(value.device_mesh, placements)
+
+
 def state_tensors(module: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(this rank's tensors for DCP, the non-tensor optimizer entries for state.pt). Collective."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    tensors = {MODEL + k: v for k, v in get_model_state_dict(module).items()}
+    tensors = {MODEL + k: _savable(v) for k, v in get_model_state_dict(module).items()}
     if optimizer is None:
         return tensors, {}
     state, groups = _optimizer_parts(module, optimizer)
@@ -77,7 +88,7 @@ def state_tensors(module: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Te
     for name, entries in state.items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIM}{name}.{key}"] = value
+                tensors[f"{OPTIM}{name}.{key}"] = _savable(value)
             else:
                 values.setdefault(name, {})[key] = value
     return tensors, {"optimizer_groups": groups, "optimizer_values": values}
@@ -93,21 +104,57 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
     tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
-    with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+    except (
+        CheckpointException
+    ) as e:  # a full disk, a size limit: the OSError, naming the folder being written
+        error = _write_error(e)
+        if error is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(target)) from None
     if is_main:
         atomic_write(tmp / SIDE, lambda fh: torch.save({**side, "format": FORMAT}, fh))
         dcp_io.replace_folder(tmp, target)
 
 
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed DCP save on any rank (DCP wraps each rank's in a CheckpointException)."""
+    from ddpkit.atomicio import os_cause
+
+    for failure in (getattr(e, "_failures", {}) or {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        if isinstance(cause, BaseException) and (found := os_cause(cause)) is not None:
+            return found
+    return None
+
+
 # -------------------------------------------------------------------------------------------- loading
+
+
+def _check_shapes(path: Path, template: dict[str, torch.Tensor]) -> None:
+    """Every tensor of `template` is in the folder's metadata with the same full shape: a KeyError or ValueError
+    naming the tensor and both shapes otherwise (DCP's own message names neither)."""
+    entries = dcp_io.tensor_entries(dcp_io.read_metadata(path))
+    for key, value in template.items():
+        if key not in entries:
+            raise KeyError(f"tensor '{key}' of this model is not in the checkpoint")
+        saved, here = tuple(entries[key].size), tuple(value.shape)
+        if saved != here:
+            raise ValueError(
+                f"tensor '{key}' has shape {list(saved)} in the checkpoint and {list(here)} in this model"
+            )
 
 
 def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _check_shapes(path, template)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -118,9 +165,18 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
                 no_dist=_no_dist(),
             )
     except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
-        failures = list(getattr(e, "_failures", {}).values())
-        cause = getattr(failures[0], "exc", None) if failures else None
-        raise ValueError(str(cause or e).splitlines()[0]) from None
+        from ddpkit.checkpoint import unreadable_reason
+
+        failures = getattr(e, "_failures", {}) or {}
+        rank, failure = next(iter(failures.items()), (None, None))
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+        if not isinstance(cause, BaseException):
+            raise ValueError(str(e).splitlines()[0]) from None
+        if isinstance(cause, (KeyError, ValueError, RuntimeError)) and "shape" in str(cause):
+            raise ValueError(str(cause).splitlines()[0]) from None
+        raise ValueError(
+            f"a shard of {path} read by rank {rank} is damaged: {unreadable_reason(cause)}"
+        ) from None
 
 
 def _optim_template(md, names: set[str]) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ddpkit.atomicio import NotRegularFile, check_regular
 from ddpkit.distributed import local_rank
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 
@@ -83,6 +84,10 @@ def _check_target(target: list[str]) -> None:
             raise UserError(f"script '{script}' does not exist", "check the path (relative to this folder)")
         if os.path.isdir(script):
             raise UserError(f"script '{script}' is a folder", "give a .py file, or -m PACKAGE.MODULE")
+        try:
+            check_regular(script)
+        except NotRegularFile as e:  # a FIFO would block every worker reading it
+            raise UserError(f"script '{script}' is {e.strerror}, not a file", "give a .py file") from None
 
 
 def _exec(target: list[str]) -> None:
@@ -135,8 +140,8 @@ def run_command(argv: Sequence[str]) -> int:
         if e.signum is not None:  # this launcher was signalled: the script's workers were stopped
             return 128 + e.signum
         return Preempted.exit_code
-    except WorkerFailure as e:
-        # the script's own failure is `ddpkit: ...`; a ddpkit refusal inside it (exit 2) its error line
-        print(f"{e.prefix if e.exit_code == 2 else 'ddpkit: '}{e}", file=sys.stderr, flush=True)
+    except WorkerFailure as e:  # exit 2: a UserError ddpkit raised inside the script, said once for the job
+        prefix = "ddpkit: error: " if e.exit_code == UserError.exit_code else "ddpkit: "
+        print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0

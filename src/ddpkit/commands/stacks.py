@@ -14,9 +14,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddpkit.diagnostics.stacks import JOB_PREFIX, collect_stacks, prefixed, registered, running
+from ddpkit.diagnostics.stacks import (
+    JOB_PREFIX,
+    collect_stacks,
+    launcher_alive,
+    live,
+    prefixed,
+    sweep_stale_jobs,
+)
 from ddpkit.errors import UserError
-from ddpkit.launcher.signals import alive
 
 _JOB = re.compile(rf"^{re.escape(JOB_PREFIX)}(\d+)-")
 
@@ -30,7 +36,7 @@ def jobs(pid: int | None = None) -> dict[int, Path]:
             mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
         except OSError:
             continue
-        if m and mine and alive(int(m.group(1))) and pid in (None, int(m.group(1))):
+        if m and mine and launcher_alive(path) and pid in (None, int(m.group(1))):
             found[int(m.group(1))] = path
     return found
 
@@ -42,6 +48,7 @@ def stacks_command(argv: Sequence[str]) -> int:
     p = _Parser(prog="ddpkit stacks", description=__doc__.splitlines()[0])
     p.add_argument("pid", nargs="?", type=int, metavar="PID", help="the launcher's pid (default: every one)")
     args: argparse.Namespace = p.parse_args(list(argv))
+    sweep_stale_jobs()  # folders of launchers that were killed: their pids may be another process's now
     found = jobs(args.pid)
     if not found:
         which = f"with pid {args.pid} " if args.pid is not None else ""
@@ -50,7 +57,7 @@ def stacks_command(argv: Sequence[str]) -> int:
             "start the job with `ddpkit run/train --nproc-per-node N`; a rank's own stack: kill -USR2 RANK_PID",
         )
     for pid, job in sorted(found.items()):
-        ranks = {r: p for r, p in registered(job).items() if running(p)}
+        ranks = live(job)
         print(f"ddpkit job of launcher pid {pid}: {len(ranks)} running rank(s)", flush=True)
         if ranks:
             print(prefixed(collect_stacks(job, ranks)), flush=True)

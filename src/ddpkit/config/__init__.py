@@ -115,9 +115,11 @@ class ModelConfig:
     activation_checkpointing: Literal["none", "full"] = opt(
         "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
     )
-    n_layer: int = opt(4, "gpt, llama: transformer blocks", gt=0)
-    n_head: int = opt(4, "gpt, llama: attention (query) heads per block (n_embd must be a multiple)", gt=0)
-    n_embd: int = opt(128, "gpt, llama: embedding width", gt=0)
+    n_layer: int = opt(4, "gpt, llama: transformer blocks", gt=0, le=1024)
+    n_head: int = opt(
+        4, "gpt, llama: attention (query) heads per block (n_embd must be a multiple)", gt=0, le=1024
+    )
+    n_embd: int = opt(128, "gpt, llama: embedding width", gt=0, le=65536)
     dropout: float = opt(
         0.0, "gpt, llama: dropout probability (0: deterministic, equal on every layout)", ge=0, lt=1
     )

@@ -63,10 +63,11 @@ def check_tree(value: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODE
 def read_yaml_file(path: str | os.PathLike, name: str, hint: str) -> Any:
     """The YAML document in file `path` within the bounds (size, aliases, depth, values); a one-line UserError
     naming `name` otherwise (`hint`: what the file should be)."""
+    from ddpkit.atomicio import open_regular
     from ddpkit.config.safe_yaml import parse_yaml
 
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO is refused, never waited on
             data = fh.read(MAX_YAML_BYTES + 1)
     except OSError as e:
         raise UserError(f"cannot read {name}: {e.strerror or e}", hint) from None

@@ -43,6 +43,8 @@ def override_value(spec: Spec, raw: str) -> Any:
     """A KEY=VALUE value read as YAML (so null, true, 1e-3 mean what they say); string keys keep the text as typed."""
     if len(raw) > MAX_TEXT:
         raise UserError(f"the value of {spec.key} is {len(raw)} characters long", f"give at most {MAX_TEXT}")
+    if "\n" in raw or "\r" in raw:  # YAML would fold it into a space: out_dir would name another folder
+        raise UserError(f"the value of {spec.key} holds a line break: {raw!r}", "give the value on one line")
     if raw.strip() == "":
         return ""
     from ddpkit.config.safe_yaml import NotYAML, parse_yaml

@@ -8,6 +8,7 @@ composed, with aliases counted at their expanded size, so such a file is refused
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import yaml
@@ -97,6 +98,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 def parse_yaml(text: str, name: str) -> Any:
     """One YAML document, within the limits above and without duplicate keys; `name` says where it came from."""
+    _no_control_characters(text, name)
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
@@ -114,6 +116,21 @@ def parse_yaml(text: str, name: str) -> Any:
         raise NotYAML(f"{name} is not valid YAML{where}", "fix the YAML syntax") from None
     finally:
         loader.dispose()
+
+
+# C0 controls but tab, newline and carriage return; DEL; C1 controls: never meant in a config, and echoed to a
+# terminal they could set its title or clear its screen (YAML's reader refuses them with a traceback)
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _no_control_characters(text: str, name: str) -> None:
+    found = _CONTROL.search(text)
+    if found:
+        line = text.count("\n", 0, found.start()) + 1
+        raise UserError(
+            f"{name} holds a control character ({found.group()!r}) at line {line}",
+            "remove it; write a string's special characters as YAML escapes inside double quotes",
+        )
 
 
 def _no_duplicates(node: Any, name: str, prefix: str, seen: set[int]) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ddpkit import channels
+from ddpkit.atomicio import open_regular
 from ddpkit.errors import Failure, UserError, WorkerFailure
 
 SIGNAL = signal.SIGUSR2
@@ -38,6 +39,7 @@ ACTIONS = ("report", "stop")
 FLAGS = frozenset({"--straggler-timeout", "--straggler-action"})
 JOB_PREFIX = "ddpkit-job-"
 _RANK_FILE = re.compile(r"^rank(\d+)\.pid$")
+LAUNCHER_FILE = "launcher.pid"  # `PID IDENTITY` of the launcher that made a job folder
 _ARMED: dict[
     str, object
 ] = {}  # this worker's job folder, rank and open stack file (kept open for faulthandler)
@@ -83,7 +85,7 @@ def arm() -> None:
                 os.path.join(job, f"rank{rank}.stack"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
             )
             out = os.fdopen(fd, "w")
-            Path(job, f"rank{rank}.pid").write_text(str(os.getpid()))
+            Path(job, f"rank{rank}.pid").write_text(f"{os.getpid()} {identity(os.getpid())}")
             _ARMED.update(job=job, rank=rank, file=out)
         except OSError:
             out = sys.stderr
@@ -118,16 +120,59 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def identity(pid: int) -> str | None:
+    """What tells process `pid` from a later process given the same pid: its start time (clock ticks since boot,
+    /proc/PID/stat field 22) and a digest of its command line; None when it is gone."""
+    import hashlib
+
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return f"{int(stat[19])}-{hashlib.sha256(cmdline).hexdigest()[:16]}"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _record(path: Path) -> tuple[int, str] | None:
+    """(pid, identity) from a `PID IDENTITY` file ddpkit wrote; None for anything else."""
+    try:
+        with os.fdopen(open_regular(path), "rb") as fh:
+            pid, ident = fh.read(200).decode("ascii").split()
+        return int(pid), ident
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def proven(path: Path) -> int | None:
+    """The pid recorded in `path` when that process still runs and is the one that wrote it (same start time
+    and command line: a pid the system gave to another process since is not it); None otherwise."""
+    found = _record(path)
+    if found is None or not running(found[0]) or identity(found[0]) != found[1]:
+        return None
+    return found[0]
+
+
 def registered(job: Path) -> dict[int, int]:
-    """{rank: pid} of the workers that armed themselves in job folder `job`."""
+    """{rank: pid} of the workers that armed themselves in job folder `job` (running or not)."""
     ranks = {}
     with contextlib.suppress(OSError):
         for p in job.iterdir():
             m = _RANK_FILE.match(p.name)
-            with contextlib.suppress(OSError, ValueError):
-                if m:
-                    ranks[int(m.group(1))] = int(p.read_text())
+            found = _record(p) if m else None
+            if found:
+                ranks[int(m.group(1))] = found[0]
     return ranks
+
+
+def live(job: Path) -> dict[int, int]:
+    """{rank: pid} of the workers of job folder `job` that still run, each proven to be that worker (only
+    these are ever signalled)."""
+    return {r: pid for r in registered(job) if (pid := proven(job / f"rank{r}.pid")) is not None}
+
+
+def launcher_alive(job: Path) -> bool:
+    """The launcher that made job folder `job` still runs (proven by the LAUNCHER_FILE it wrote)."""
+    return proven(job / LAUNCHER_FILE) is not None
 
 
 def collect_stacks(job: Path, ranks: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
@@ -172,7 +217,8 @@ def _names(ranks) -> str:
 
 def sweep_stale_jobs(tmp: str | None = None) -> list[Path]:
     """Remove the job folders of launchers that are gone (a launcher ended by SIGKILL cannot remove its own):
-    only this user's, only where no process with the launcher's pid (in the folder's name) runs. Returns them."""
+    only this user's, only where the launcher that wrote the folder's LAUNCHER_FILE no longer runs (a process
+    that got its pid since is not it). Returns them."""
     gone = []
     for path in Path(tmp or tempfile.gettempdir()).glob(f"{JOB_PREFIX}*-*"):
         pid = path.name[len(JOB_PREFIX) :].split("-", 1)[0]
@@ -180,8 +226,10 @@ def sweep_stale_jobs(tmp: str | None = None) -> list[Path]:
             if (
                 pid.isdigit()
                 and path.is_dir()
+                and not path.is_symlink()
                 and path.stat().st_uid == os.getuid()
-                and not running(int(pid))
+                and not launcher_alive(path)  # a folder without the file yet: its launcher's pid is gone
+                and ((path / LAUNCHER_FILE).exists() or not running(int(pid)))
             ):
                 shutil.rmtree(path, ignore_errors=True)
                 gone.append(path)
@@ -197,6 +245,7 @@ class Watch:
         self.timeout_s, self.action, self._say = timeout_s, action, say
         sweep_stale_jobs()
         self.job = Path(tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-"))
+        (self.job / LAUNCHER_FILE).write_text(f"{os.getpid()} {identity(os.getpid())}")
         self.errors: list[str] = []
         self.stopped: list[int] = []
         self._done, self._now = threading.Event(), threading.Event()
@@ -242,7 +291,7 @@ class Watch:
         reported = False
         while not self._done.wait(0.5):
             ranks = registered(self.job)
-            alive = {r: p for r, p in ranks.items() if running(p)}
+            alive = live(self.job)
             ended = sorted(set(ranks) - set(alive))
             if self._now.is_set():
                 self._now.clear()

@@ -1,7 +1,8 @@
 """No process outlives a launch: while the launcher waits for its workers it is their subreaper (Linux's
 PR_SET_CHILD_SUBREAPER), so a process a worker started (a DataLoader worker, a helper of the user's) that loses
 its parent becomes the launcher's child instead of init's; when the launch ends, whatever is left of them is
-killed. The launcher's own multiprocessing helper (resource tracker) is left to end by itself."""
+killed. The launcher's own multiprocessing helpers (resource tracker, fork server) are left to end by
+themselves."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def _descendants(pid: int) -> list[int]:
         except OSError:
             continue
         if b"multiprocessing.resource_tracker" in cmdline:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:  # the launcher's helper, which multiprocessing itself
+            out += _descendants(kid)  # stops and reaps; what it forked is the job's
             continue
         out += [kid, *_descendants(kid)]
     return out

@@ -15,6 +15,7 @@ from typing import Any
 from ddpkit import channels
 from ddpkit.cluster.netif import hosted_endpoint, use_interface
 from ddpkit.diagnostics import stacks
+from ddpkit.distributed import reaper
 from ddpkit.errors import Preempted, UserError, first_line
 from ddpkit.launcher import signals, usermain, warm_start
 from ddpkit.launcher.launch import (
@@ -93,8 +94,9 @@ def launch_elastic(
     forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
     try:
         # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them. Each worker dies with this process (or
-        # with its fork server, which does).
-        with forwarder, signals.launcher_env(), ranks:
+        # with its fork server, which does); what they started (the script's own children) is ended with the
+        # job (reaper.py: this launcher is their subreaper).
+        with forwarder, signals.launcher_env(), ranks, reaper.reaping():
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}

@@ -9,6 +9,7 @@ checks: launcher/spec.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -175,6 +176,9 @@ def launch_spawn(
         channels.LAUNCHER: "spawn",
         signals.PARENT_VAR: str(os.getpid()),
     }
+    # torch warns "Terminating process N via signal SIGTERM" for each rank it ends after one failed: ddpkit's
+    # own line names the failure once
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     forwarder, ranks = signals.Forwarder(), stacks.Watch(spec.straggler_timeout, spec.straggler_action)
     with forwarder, ranks, reaper.reaping():  # SIGTERM/SIGUSR1/SIGINT go on to the workers; we wait for them
         context = mp.start_processes(_spawn_entry, args=(fn, list(argv), env), nprocs=nproc, join=False)

@@ -113,12 +113,53 @@ class Forwarder:
     def __init__(self, pids: Callable[[], list[int]] = worker_pids):
         self.pids, self.signum = pids, 0
         self._old: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None
+        self._old_wakeup = -1
 
     def __enter__(self) -> Forwarder:
+        self._watch_waits()  # first: a signal caught from the next line on is seen by the thread
         for sig in FORWARDED:
             with contextlib.suppress(ValueError):  # not the main thread: nothing reaches us here
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
+
+    def _watch_waits(self) -> None:
+        """A Python signal handler runs only when the main thread is back in the interpreter; waiting for the
+        other nodes in a rendezvous it is inside torch's store (C++) for minutes. The C-level handler writes
+        each signal's number to the wakeup fd at once: a thread reading it ends a launcher that has no worker
+        yet (nothing to forward to) right away, with one line."""
+        import threading
+
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(r)
+            os.close(w)
+            return
+        self._wakeup = (r, w)
+        threading.Thread(target=self._read_wakeups, args=(r,), name="ddpkit-signal-wait", daemon=True).start()
+
+    def _read_wakeups(self, r: int) -> None:
+        while True:
+            try:
+                got = os.read(r, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            for signum in got:
+                if signum in FORWARDED and not self.pids():
+                    name = signal.Signals(signum).name
+                    with contextlib.suppress(OSError, ValueError):
+                        print(
+                            f"ddpkit: received {name} before any worker started (waiting for the other nodes "
+                            "at the rendezvous); stopped",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    os._exit(128 + signum)
 
     def _send(self, signum: int) -> None:
         for pid in self.pids():
@@ -134,6 +175,12 @@ class Forwarder:
         self._send(signum)
 
     def __exit__(self, *exc) -> None:
+        if self._wakeup is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._old_wakeup)
+            for fd in reversed(self._wakeup):  # the write end first: the reading thread sees the end
+                os.close(fd)
+            self._wakeup = None
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()

@@ -62,6 +62,48 @@ def _worker(
         sys.exit(1)
 
 
+# processes one launch() may start on this machine: far above any machine's GPUs or cores, far below the
+# system's process limit
+MAX_NPROCS = 1024
+
+
+def _check_arguments(
+    fn: Any, nprocs: Any, backend: Any, device: Any, timeout_s: Any, start_method: Any
+) -> None:
+    """launch()'s arguments of the right type and range, before any process starts (UserError)."""
+    import math
+
+    if not callable(fn):
+        raise UserError(
+            f"ddpkit.launch: fn must be a function, not a {type(fn).__name__}", "launch(train, nprocs=2)"
+        )
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or not 1 <= nprocs <= MAX_NPROCS:
+        raise UserError(
+            f"ddpkit.launch: nprocs must be a whole number from 1 to {MAX_NPROCS}, got {nprocs!r}",
+            "e.g. nprocs=2",
+        )
+    if (
+        not isinstance(timeout_s, (int, float))
+        or isinstance(timeout_s, bool)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise UserError(
+            f"ddpkit.launch: timeout_s must be a number of seconds > 0, got {timeout_s!r}",
+            "e.g. timeout_s=600",
+        )
+    for name, value, allowed in (
+        ("backend", backend, ("auto", "gloo", "nccl")),
+        ("device", device, ("auto", "cpu", "cuda")),
+        ("start_method", start_method, (None, "spawn", "fork", "forkserver")),
+    ):
+        if value not in allowed or isinstance(value, bool):
+            raise UserError(
+                f"ddpkit.launch: {name} must be one of {', '.join(map(str, allowed))}, got {value!r}",
+                f"e.g. {name}={allowed[1]!r}",
+            )
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -80,8 +122,7 @@ def launch(
 
     from ddpkit.launcher.launch import host_store
 
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise UserError(f"ddpkit.launch: nprocs must be a whole number >= 1, got {nprocs!r}", "e.g. nprocs=2")
+    _check_arguments(fn, nprocs, backend, device, timeout_s, start_method)
     method = start_method or ("fork" if _interactive(fn) else "spawn")
     if method != "fork":
         blame.check_importable(fn)

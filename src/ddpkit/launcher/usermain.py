@@ -73,27 +73,24 @@ def run_released(target: list[str]) -> int:
             time.sleep(EXIT_DRAIN_S)
 
 
-def _report(e: BaseException) -> None:
+def _report(e: BaseException) -> int:
     """The script's traceback as `python SCRIPT.py` prints it, through sys.excepthook: once the script made a
-    process group, torch's hook prefixes each line with `[rankN]:` (as under torchrun)."""
+    process group, torch's hook prefixes each line with `[rankN]:` (as under torchrun). A UserError that ddpkit
+    raised in the script (prepare, launch, the loaders) is ddpkit's one line instead, said once for the job by
+    the launcher; the exit status: 2 for it, else 1."""
+    from ddpkit.errors import UserError
+
+    if isinstance(e, UserError):
+        from ddpkit.diagnostics import stacks
+
+        line = f"ddpkit: error: {e.line()}"
+        if not stacks.say_error(line):
+            print(line, file=sys.stderr, flush=True)
+        return e.exit_code
     tb = _script_frames(e.__traceback__)
     sys.excepthook(type(e), e.with_traceback(tb), tb)
     sys.stderr.flush()
-
-
-def _user_error(e: BaseException) -> int | None:
-    """A ddpkit refusal that the script did not catch (prepare()'s checks, a loader's role): one
-    `ddpkit: error:` line for the job, as ddpkit's own commands give it (the launcher says it once), exit 2."""
-    from ddpkit.errors import UserError
-
-    if not isinstance(e, UserError):
-        return None
-    from ddpkit.diagnostics import stacks
-
-    line = f"ddpkit: error: {e.line()}"
-    if not stacks.say_error(line):
-        print(line, file=sys.stderr, flush=True)
-    return e.exit_code
+    return 1
 
 
 def run_spawned(target: list[str]) -> int:
@@ -105,11 +102,7 @@ def run_spawned(target: list[str]) -> int:
     try:
         return run_released(target)
     except Exception as e:
-        code = _user_error(e)
-        if code is not None:
-            return code
-        _report(e)
-        return 1
+        return _report(e)
 
 
 def main(argv: list[str]) -> int:
@@ -127,11 +120,7 @@ def main(argv: list[str]) -> int:
     try:
         return run_released(argv)
     except Exception as e:
-        code = _user_error(e)
-        if code is not None:
-            return code
-        _report(e)
-        return 1
+        return _report(e)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ torchvision and timm are imported inside the functions that need them, so `impor
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable
 
 import torch
@@ -150,10 +151,45 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
         )
 
 
+# float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
+BYTES_PER_PARAM = 16
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_size(cfg: Config, family: ModelFamily) -> None:
+    """A language model whose estimated weights, gradients, optimizer state and one micro-batch's activations
+    fit this machine's memory: every rank builds the whole model before it is spread, so a size that cannot fit
+    is refused before anything is allocated."""
+    if not family.tokens:
+        return
+    m = cfg.model
+    params, activations = gpt.estimate(
+        m.n_layer, m.n_head, m.n_embd, cfg.data.block_size, cfg.train.batch_size
+    )
+    need, have = params * BYTES_PER_PARAM + activations, machine_memory()
+    if need > have:
+        if activations > params * BYTES_PER_PARAM:
+            key = "train.batch_size or data.block_size"
+        else:
+            key = "model.n_layer" if m.n_layer > 64 else "model.n_embd"
+        raise UserError(
+            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} (data.block_size={cfg.data.block_size}, "
+            f"train.batch_size={cfg.train.batch_size}) needs about {need / 2**30:.0f} GiB "
+            f"({params:,} parameters with their gradients and optimizer state, and the activations), "
+            f"more than this machine's {have / 2**30:.0f} GiB",
+            f"make {key} smaller",
+        )
+
+
 def check_arch(cfg: Config) -> None:
     """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
     family = model_family(cfg.model.arch)
     _check_data_kind(cfg, family)
+    _check_size(cfg, family)
     _check_pretrained(cfg, family)
 
 
@@ -176,6 +212,7 @@ def build_model(
     arch, pretrained = cfg.model.arch, cfg.model.pretrained
     family = model_family(arch)
     _check_data_kind(cfg, family)
+    _check_size(cfg, family)
     _check_pretrained(cfg, family)
     if family.build_lm is not None:
         if vocab_size is None or block_size is None:

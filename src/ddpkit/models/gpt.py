@@ -140,6 +140,16 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def estimate(n_layer: int, n_head: int, n_embd: int, block_size: int, batch: int) -> tuple[int, int]:
+    """(parameters, bytes of the activations one micro-batch keeps for backward) of a GPT, before building it;
+    the token embedding and head (the vocabulary's) left out. Activations: per block
+    batch x block x n_embd x (34 + 5 x n_head x block / n_embd) half-precision bytes (Korthikanti et al., 2022),
+    doubled for float32."""
+    params = n_layer * (12 * n_embd * n_embd + 13 * n_embd) + block_size * n_embd + 2 * n_embd
+    per_block = batch * block_size * n_embd * (34 + 5 * n_head * block_size / n_embd)
+    return params, int(2 * n_layer * per_block)
+
+
 def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
     return GPT(
         vocab_size,

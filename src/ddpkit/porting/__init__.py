@@ -168,6 +168,7 @@ def prepare(
     back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline_api); `loss_fn(output,
     target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
     """
+    _check_arguments(locals())
     if pp != 1 and tp != 1:
         raise UserError(
             f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
@@ -191,6 +192,64 @@ def prepare(
     _check_schedulers(objects, out, chosen)
     ready = [out.get(id(o), o) for o in objects]
     return ready[0] if len(ready) == 1 else ready
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(given: dict[str, Any]) -> None:
+    """Every keyword of prepare() of the right type and range, before anything is made (UserError)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def refuse(name: str, want: str, example: str) -> None:
+        value = given[name]
+        raise UserError(
+            f"ddpkit.prepare({name}={value!r}): {name} must be {want}, not a {type(value).__name__}"
+            if not isinstance(value, (int, float)) or isinstance(value, bool)
+            else f"ddpkit.prepare({name}={value!r}): {name} must be {want}",
+            f"e.g. {example}",
+        )
+
+    for name in ("tp", "pp"):
+        if not _is_int(given[name]) or given[name] < 1:
+            refuse(name, "a whole number >= 1", f"{name}=2")
+    if not _is_int(given["seed"]):
+        refuse("seed", "a whole number", "seed=0")
+    for name in ("strategy", "pp_schedule"):
+        if not isinstance(given[name], str):
+            refuse(name, "a name", f"{name}={'auto' if name == 'strategy' else '1f1b'!r}")
+    if not isinstance(given["sync_bn"], bool):
+        refuse("sync_bn", "True or False", "sync_bn=True")
+    mb = given["pp_microbatches"]
+    if mb is not None and (not _is_int(mb) or mb < 1):
+        refuse("pp_microbatches", "a whole number >= 1 or None", "pp_microbatches=4")
+    if given["ddp_options"] is not None and not isinstance(given["ddp_options"], dict):
+        refuse(
+            "ddp_options", "a dict of DistributedDataParallel's keyword arguments", "{'bucket_cap_mb': 25}"
+        )
+    for name in ("roles", "pp_split"):
+        value = given[name]
+        if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
+            refuse(name, "a list of names", f"{name}={['train'] if name == 'roles' else ['blocks.2']!r}")
+    if given["loss_fn"] is not None and not callable(given["loss_fn"]):
+        refuse("loss_fn", "a function loss_fn(output, target)", "loss_fn=torch.nn.functional.cross_entropy")
+    plan = given["tp_plan"]
+    if plan is not None:
+        if not isinstance(plan, dict):
+            refuse(
+                "tp_plan",
+                "a dict {submodule name: ColwiseParallel() / RowwiseParallel() / ...}",
+                "{'fc1': ColwiseParallel()}",
+            )
+        for key, style in plan.items():
+            if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+                shown = style.__name__ if isinstance(style, type) else repr(style)
+                raise UserError(
+                    f"ddpkit.prepare(tp_plan=...): the entry {key!r}: {shown} is not a torch ParallelStyle",
+                    f"map each submodule name to an instance: {{{key!r}: ColwiseParallel()}} "
+                    "(from torch.distributed.tensor.parallel)",
+                )
 
 
 def _checked_models(objects: Sequence[Any], strategy: str) -> list[nn.Module]:

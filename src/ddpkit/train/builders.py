@@ -104,7 +104,10 @@ def load_weights(
         raise UserError(
             f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
             "use the model.* settings it was trained with, or start afresh in another out_dir "
-            "(or with checkpoint.overwrite=true, which moves the earlier run aside)",
+            "(or with checkpoint.overwrite=true, which moves the earlier run aside)"
+            if optimizer is not None  # resuming a run
+            else "give the model.* settings it was trained with, or point checkpoint.path at a checkpoint "
+            "of this model",
         ) from None
 
 

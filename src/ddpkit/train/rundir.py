@@ -124,6 +124,13 @@ def _kind(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
+def _links(path: Path) -> int:
+    try:
+        return path.lstat().st_nlink
+    except OSError:
+        return 0
+
+
 def check_own_files(out: Path) -> None:
     """UserError when a name where ddpkit writes its own file or folder in out_dir holds a symlink or something
     of the wrong kind: ddpkit would write through it into a file that is not its own. Reads only."""
@@ -135,6 +142,10 @@ def check_own_files(out: Path) -> None:
         own += [(p, "either") for p in ckpts.iterdir() if p.name.endswith(ours) or TEMP_RE.match(p.name)]
     for path, want in own:
         kind = _kind(path)
+        if (
+            kind is None and want is None and _links(path) > 1
+        ):  # appending to it would change another name's bytes
+            kind = "a file with other hard links"
         if kind is not None and kind != want and not (want == "either" and kind == "a folder"):
             raise UserError(
                 f"'{path}' is {kind}, where ddpkit keeps its own {'folder' if want == 'a folder' else 'file'}",

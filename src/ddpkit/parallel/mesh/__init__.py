@@ -114,6 +114,12 @@ def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
             )
     if name == "auto" and layout.tp > 1 and layout.dp > 1:
         return AUTO_OVER_TP
+    if layout.parallel and name not in ("auto", "single") and get_strategy(name).one_process:
+        raise UserError(  # it would silently run as single: a process per rank is not one process
+            f"dist.strategy={name} runs one process, not the {layout.tp * layout.pp} ranks of "
+            f"dist.tp={layout.tp} dist.pp={layout.pp}",
+            "use dist.strategy=auto",
+        )
     if layout.dp == 1 and layout.parallel and name != "auto" and get_strategy(name).one_process:
         return "single"  # nothing to do over one data-parallel replica
     resolved = resolve_strategy(name, layout.dp)
