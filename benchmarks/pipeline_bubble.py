@@ -90,7 +90,7 @@ def measure(schedule: str, m: int, args) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ddpkit.parallel.pipeline import PipelineRunner
+    from ddpkit.parallel.pipeline.runner import PipelineRunner
 
     torch.manual_seed(0)
     stage = _stage(args)

@@ -2,7 +2,7 @@
 tokens/s of training steps and the time to the first step, 2 processes (gloo), Schedule1F1B, 4 micro-batches.
 
 The hand-written pipeline cuts the model at a module boundary by hand (each rank keeps its half of the blocks
-and deletes the rest: ddpkit's own GPT recipe, parallel/pipeline_split.gpt_stage) and runs the stages eagerly;
+and deletes the rest: ddpkit's own GPT recipe, parallel/pipeline/split.gpt_stage) and runs the stages eagerly;
 prepare() cuts a user's model with torch's tracer, whose stages run through torch.fx's interpreter. Both train
 the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the two runs take turns in one process group.
 
@@ -35,7 +35,7 @@ def _setup(args):
 def _handwritten(args):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from ddpkit.parallel.pipeline_split import gpt_stage
+    from ddpkit.parallel.pipeline.split import gpt_stage
 
     model, x, y = _setup(args)
     rank = dist.get_rank()

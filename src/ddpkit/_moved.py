@@ -55,6 +55,16 @@ MOVED: dict[str, str] = {
     "ddpkit.config_yaml": "ddpkit.config.safe_yaml",
     "ddpkit.bounded": "ddpkit.config.bounded",
     "ddpkit.gpt": "ddpkit.models.gpt",
+    **{
+        "ddpkit.parallel." + old: "ddpkit.parallel.pipeline." + new
+        for old, new in (
+            ("pipeline_api", "user_model"),
+            ("pipeline_plan", "plan"),
+            ("pipeline_split", "split"),
+            ("pipeline_trainer", "trainer"),
+            ("stage_state", "stage_state"),
+        )
+    },
 }
 
 

@@ -23,7 +23,7 @@ import pipeline_user_model as user
 from conftest import assert_user_error, run_cli
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
-from ddpkit.parallel.pipeline_plan import block_ranges, check_pipeline, stage_ids
+from ddpkit.parallel.pipeline.plan import block_ranges, check_pipeline, stage_ids
 
 TINY = [
     "model.arch=gpt",
@@ -158,7 +158,7 @@ def test_a_channels_last_conv_net_under_pp2_equals_its_single_process_run():
 
 
 def test_contiguous_edges_change_no_value_and_send_the_standard_layout():
-    from ddpkit.parallel.pipeline import ContiguousEdges
+    from ddpkit.parallel.pipeline.runner import ContiguousEdges
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
@@ -219,7 +219,7 @@ def test_the_refusal_is_one_line_from_the_command(tmp_path, text_file):
 
 
 def test_prepare_refuses_a_split_that_is_not_the_models():
-    from ddpkit.parallel.pipeline_split import check_split_names
+    from ddpkit.parallel.pipeline.split import check_split_names
 
     with pytest.raises(UserError, match="'blocks.9', which is not a module of TinyLM"):
         check_split_names(user.TinyLM(), ["blocks.9"], 2)
@@ -236,7 +236,7 @@ def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
     stages on the training stages' parameters and buffers, and gets the model's own eval output."""
     import torch.nn as nn
 
-    from ddpkit.parallel.pipeline_split import traced_stages
+    from ddpkit.parallel.pipeline.split import traced_stages
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -14,7 +14,7 @@ def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
     from ddpkit import data, models
     from ddpkit.checkpoint import check_file
-    from ddpkit.parallel.pipeline_plan import check_pipeline
+    from ddpkit.parallel.pipeline.plan import check_pipeline
 
     data.check_available(cfg)
     models.check_arch(cfg)

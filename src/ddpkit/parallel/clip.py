@@ -24,8 +24,8 @@ def _parameters_and_group(model_or_parameters: Any) -> tuple[list[torch.Tensor],
     """(this rank's parameters, those its part of the norm counts: a parameter several pipeline ranks share on
     one of them only, the process group whose ranks hold the other parts of the model: a pipeline's stages;
     None when this rank's parameters are the whole model)."""
-    from ddpkit.parallel.pipeline import PipelineRunner
-    from ddpkit.parallel.pipeline_api import PipelineModel
+    from ddpkit.parallel.pipeline.runner import PipelineRunner
+    from ddpkit.parallel.pipeline.user_model import PipelineModel
 
     target = model_or_parameters
     if isinstance(target, PipelineModel):

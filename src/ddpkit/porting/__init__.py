@@ -93,7 +93,7 @@ def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
 
 def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
     """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
-    from ddpkit.parallel.pipeline_api import PipelineModel
+    from ddpkit.parallel.pipeline.user_model import PipelineModel
 
     if not pp_split or loss_fn is None:
         raise UserError(
@@ -165,7 +165,7 @@ def prepare(
     data-parallel rank (the ranks of one tensor group read the same samples).
 
     pp > 1: the model is cut into `pp` pipeline stages where each module named in `pp_split` begins and comes
-    back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline_api); `loss_fn(output,
+    back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline.user_model); `loss_fn(output,
     target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
     """
     _check_arguments(locals())

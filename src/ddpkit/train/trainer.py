@@ -30,9 +30,9 @@ from ddpkit.distributed.collectives import (
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
 from ddpkit.models import flops
-from ddpkit.parallel import pipeline_trainer
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
+from ddpkit.parallel.pipeline import trainer as pipeline_trainer
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.train import optim
 from ddpkit.train.builders import (

@@ -165,7 +165,7 @@ def check_config(cfg: Any, world_size: int) -> Layout:
     """Every layout check of a config for `world_size` ranks, before any worker starts; returns the Layout."""
     layout = layout_of(world_size, cfg.dist.tp, cfg.dist.pp)
     check_model(cfg, layout)
-    if layout.pp == 1:  # a pipeline runs DDP over its replicas (parallel/pipeline_plan.py checks the rest)
+    if layout.pp == 1:  # a pipeline runs DDP over its replicas (parallel/pipeline/plan.py checks the rest)
         strategy_over_dp(cfg.dist.strategy, layout, cfg.dist.offload)
     elif layout.tp > 1 and layout.dp > 1:
         raise UserError(

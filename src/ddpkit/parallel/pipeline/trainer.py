@@ -4,7 +4,7 @@ mesh, and the Strategy that checkpoints them in full-model form.
 The Trainer asks `build` for the parts, calls `forward_backward` instead of its own forward/backward,
 `ddpkit.clip_grad_norm_` (parallel/clip.py: over every stage) instead of torch's, and `evaluate` for exact
 validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
-optimizer state keyed by those names (parallel/stage_state.py), so they load into any layout.
+optimizer state keyed by those names (parallel/pipeline/stage_state.py), so they load into any layout.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ddpkit.parallel import stage_state
 from ddpkit.parallel.mesh import build_mesh, layout_of
-from ddpkit.parallel.pipeline import PipelineRunner
-from ddpkit.parallel.pipeline_plan import n_microbatches, resnet_splits, stage_ids
-from ddpkit.parallel.pipeline_split import gpt_stage, traced_stages
+from ddpkit.parallel.pipeline import stage_state
+from ddpkit.parallel.pipeline.plan import n_microbatches, resnet_splits, stage_ids
+from ddpkit.parallel.pipeline.runner import PipelineRunner
+from ddpkit.parallel.pipeline.split import gpt_stage, traced_stages
 from ddpkit.parallel.strategy import Strategy as BaseStrategy
 
 
@@ -108,7 +108,7 @@ def evaluate(trainer) -> dict[str, Any]:
 
 
 class Strategy(BaseStrategy):
-    """Checkpoints of a pipeline (parallel/stage_state.py): full-model names and the optimizer state keyed by
+    """Checkpoints of a pipeline (parallel/pipeline/stage_state.py): full-model names and the optimizer state keyed by
     name (checkpoint.format=full), or each rank's stages in a DCP folder (sharded); both load into any layout."""
 
     def __init__(self, ctx, parts: PipelineParts):

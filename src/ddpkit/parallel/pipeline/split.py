@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ddpkit.errors import UserError, first_line
 from ddpkit.models.gpt import GPT
-from ddpkit.parallel.pipeline_plan import block_ranges
+from ddpkit.parallel.pipeline.plan import block_ranges
 
 
 def gpt_stage(model: GPT, stage: int, n_stages: int, copy_model: bool = False) -> GPT:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit.parallel.pipeline_plan import stage_ids
-from ddpkit.parallel.pipeline_split import owned_parameters
+from ddpkit.parallel.pipeline.plan import stage_ids
+from ddpkit.parallel.pipeline.split import owned_parameters
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _HEADER = 10  # ndim, up to 8 sizes, dtype code
@@ -82,7 +82,7 @@ class ContiguousEdges(nn.Module):
 class PipelineRunner:
     """This rank's stages of a pipeline, and the schedule that feeds them.
 
-    `stages`: the modules of the stages this rank runs (stage indices from `pipeline_plan.stage_ids`);
+    `stages`: the modules of the stages this rank runs (stage indices from `pipeline.plan.stage_ids`);
     `eval_stages`: traced stages' eval-mode twins (evaluation runs them on `stages`' parameters and buffers);
     `loss_fn(output, target)`: the mean loss of one micro-batch, on the last stage; `counts`: this rank's
     last-stage results are the ones counted (one rank per pipeline when tensor-parallel ranks repeat them).
@@ -115,7 +115,7 @@ class PipelineRunner:
         self.device = device or torch.device("cpu")
         self.autocast, self.counts = autocast, counts
         self.first, self.last = 0 in self.ids, self.n_stages - 1 in self.ids
-        # parameters used by stages of several ranks (pipeline_split.Shared): their gradients summed over those
+        # parameters used by stages of several ranks (pipeline.split.Shared): their gradients summed over those
         # ranks after each backward, so every copy takes the one-process update
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
         self.wrapped = [self._wrap(m) for m in self.stages]
@@ -285,6 +285,6 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
     empty dict elsewhere. Collective over all ranks."""
-    from ddpkit.parallel import stage_state
+    from ddpkit.parallel.pipeline import stage_state
 
     return stage_state.model_state(runner.stages)

@@ -16,7 +16,7 @@ begins, on the first batch it sees; each rank keeps the stages it runs. The opti
 parameters of stages this rank does not run get no gradient, so it leaves them alone. A parameter that stages of
 several ranks use (a token embedding tied to the output head) is the model's own in each of them, its gradient
 summed over those ranks after every step(), so each rank's copy takes the one-process update
-(pipeline_split.retie). Loaders of one replica (pp = world size) keep the user's own order.
+(pipeline.split.retie). Loaders of one replica (pp = world size) keep the user's own order.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import torch.nn as nn
 
 from ddpkit.errors import UserError
 from ddpkit.parallel.mesh import build_mesh, layout_of
-from ddpkit.parallel.pipeline import PipelineRunner, full_state
-from ddpkit.parallel.pipeline_plan import (
+from ddpkit.parallel.pipeline.plan import (
     SCHEDULES,
     check_microbatches,
     n_microbatches,
     stage_ids,
     stages_per_rank,
 )
-from ddpkit.parallel.pipeline_split import check_split_names, micro_chunks, traced_stages
+from ddpkit.parallel.pipeline.runner import PipelineRunner, full_state
+from ddpkit.parallel.pipeline.split import check_split_names, micro_chunks, traced_stages
 
 
 class PipelineModel:
