@@ -185,6 +185,9 @@ def _pool_rank(rank: int, world_size: int, tasks, results) -> None:
     seed, signals = torch.initial_seed(), {s: signal.getsignal(s) for s in _RESET_SIGNALS}
     while (task := tasks.get()) is not None:
         init_file, fn, args = task
+        if init_file is None:  # a ping: is this rank free for the next test?
+            results.put((rank, "ok", fn(*args)))
+            continue
         environ, cwd, argv = dict(os.environ), os.getcwd(), list(sys.argv)
         torch.manual_seed(seed)  # the default generator as a fresh process has it
         try:
@@ -236,6 +239,18 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def ready(self, timeout: float = 30.0) -> bool:
+        """Every rank alive and answering: none is still caught in what an earlier test left."""
+        if not self.alive():
+            return False
+        for q in self.tasks:
+            q.put((None, os.getpid, ()))
+        try:
+            _collect_ranks(self.results, self.world_size, timeout, self.alive)
+        except AssertionError:
+            return False
+        return True
+
     def run(self, fn, args: tuple, timeout: float) -> list:
         with tempfile.TemporaryDirectory() as tmp:
             for q in self.tasks:
@@ -257,7 +272,7 @@ _POOLS: dict[int, RankPool] = {}
 
 def _pool(world_size: int) -> RankPool:
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive():
+    if pool is None or not pool.ready():
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = RankPool(world_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -154,10 +155,29 @@ def test_local_rank_without_init_method_is_refused():
     assert_user_error(run_cli("info", "--local-rank", "1", timeout=60), "belong to a manual rendezvous")
 
 
+def _unanswered_port(held: list) -> int:
+    """A port on this machine whose connection attempts are never answered, as a host that drops packets:
+    a listener with a backlog of 0 whose queue is already full (Linux then drops new SYNs)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", free_port()))
+    listener.listen(0)
+    held.append(listener)
+    port = listener.getsockname()[1]
+    for _ in range(3):  # fill the accept queue; nobody accepts
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        held.append(filler)
+    time.sleep(0.2)  # the handshakes of the fillers settle
+    return port
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("host", ["127.0.0.1", "10.255.255.1"])  # a closed port; an address nobody answers
-def test_a_rank_that_cannot_reach_the_master_fails_in_seconds(host):
-    port = free_port()
+@pytest.mark.parametrize("unanswered", [False, True], ids=["closed-port", "unanswered"])
+def test_a_rank_that_cannot_reach_the_master_fails_in_seconds(unanswered):
+    # only this machine's own addresses: a test never sends traffic anywhere else
+    host, held = "127.0.0.1", []
+    port = _unanswered_port(held) if unanswered else free_port()
     start_t = time.monotonic()
     proc = run_cli(
         "info", "--init-method", f"tcp://{host}:{port}", "--rank", "1", "--world-size", "2",
@@ -167,6 +187,8 @@ def test_a_rank_that_cannot_reach_the_master_fails_in_seconds(host):
     assert_user_error(proc, f"cannot reach the master at {host}:{port} after 2 s", "DDPKIT_PROBE_S")
     assert elapsed < 60, elapsed
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    for sock in held:
+        sock.close()
 
 
 @pytest.mark.slow

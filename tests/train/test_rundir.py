@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK_MLP, assert_user_error, cli_env, run_cli
+from conftest import QUICK_MLP, assert_user_error, cli_env, run_cli, wait_for
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
@@ -269,6 +269,18 @@ def test_two_runs_started_at_once_one_trains_and_the_other_exits_2_naming_it(tmp
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
         for _ in range(2)
     ]
+    # Whichever takes the lock first is held still (SIGSTOP) until the other has met the lock: on a busy
+    # machine the second could otherwise start only after the first had finished, and then rightly continue it.
+    pids = {p.pid: p for p in procs}
+    wait_for(lambda: lock_holder(out) in pids or any(p.poll() is not None for p in procs))
+    first = pids.get(lock_holder(out))
+    if first is not None and first.poll() is None:
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            (other,) = [p for p in procs if p is not first]
+            other.wait(timeout=300)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
     results = [(p, *p.communicate(timeout=300)) for p in procs]
     codes = sorted(p.returncode for p, _, _ in results)
     assert codes == [0, 2], [(p.returncode, err[-1500:]) for p, _, err in results]
