@@ -43,6 +43,7 @@ __all__ = [
     "build_mlp",
     "build_model",
     "check_arch",
+    "family_of_module",
     "load_matching",
     "model_family",
     "prepare_model",
@@ -96,6 +97,11 @@ def model_family(arch: str) -> ModelFamily:
         else "use cnn, mlp, a torchvision classification model such as resnet18"
     )
     raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
+
+
+def family_of_module(model: nn.Module) -> ModelFamily | None:
+    """The registered family that builds models of `model`'s class (its `module_types`), or None."""
+    return next((f for f in MODEL_FAMILIES if isinstance(model, f.module_types)), None)
 
 
 def _check_pretrained(cfg: Config, family: ModelFamily) -> None:

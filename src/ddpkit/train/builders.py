@@ -77,14 +77,15 @@ def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
 
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
+    family = models.model_family(cfg.model.arch)
     if cfg.model.activation_checkpointing == "full":
         from ddpkit.parallel.mesh.activation import checkpoint_blocks
 
-        checkpoint_blocks(model)
+        checkpoint_blocks(family.checkpointed(model))
     if mesh is not None and mesh["tp"].size() > 1:
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], family=family)
     return model
 
 
