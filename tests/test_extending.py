@@ -6,6 +6,7 @@ Time budget: 150 s on 2 cores (four launches of 2 processes, a few single proces
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -151,10 +152,65 @@ def count_command(cfg, args, ctx):
 
 
 COMMAND = Command("count", "sum the ranks, each plus one", "myext:count_command", config="dist")
+
+
+# a language model whose family declares its own parallel facts, written with torch's styles only
+class Layer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class StackLM(nn.Module):
+    def __init__(self, vocab_size, width, n_layer):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleDict({str(i): Layer(width) for i in range(n_layer)})
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        x = self.emb(x) if self.emb is not None else x
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.out(x) if self.out is not None else x
+
+
+def stack_plan(model, tp):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {f"layers.{i}.up": ColwiseParallel() for i in model.layers}
+    return plan | {f"layers.{i}.down": RowwiseParallel() for i in model.layers}
+
+
+def stack_stage(model, stage, n_stages):
+    per = len(model.layers) // n_stages
+    for name in list(model.layers):
+        if int(name) // per != stage:
+            del model.layers[name]
+    model.emb = model.emb if stage == 0 else None
+    model.out = model.out if stage == n_stages - 1 else None
+    return model
+
+
+STACK_MODEL = ModelFamily(
+    "stacklm",
+    owns=lambda arch: arch == "stacklm",
+    build=None,
+    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.n_embd, m.n_layer),
+    module_types=(StackLM,),
+    tp_plan=stack_plan,
+    pp_stage=stack_stage,
+    pp_check=lambda cfg, n_stages: None,
+    checkpointed=lambda model: list(model.layers.values()),
+)
 """
 
 ENTRY_POINTS = """[ddpkit.models]
 tiny = myext:MODEL
+stacklm = myext:STACK_MODEL
 
 [ddpkit.strategies]
 myddp = myext:STRATEGY
@@ -194,6 +250,44 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert set(ckpt["model"]) == {"1.weight", "1.bias"}  # the package's model
     assert [s["calls"] for s in ckpt["comm_hook"]] == [5, 5]  # its hook ran on every step, its state saved
+
+
+@pytest.mark.slow
+def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointing_as_one_process(
+    tmp_path, gpt_text
+):
+    # its family declares a tensor-parallel plan, a pipeline cut and its checkpointed blocks; ddpkit names none
+    from ddpkit.checkpoint import load_checkpoint
+
+    install_extensions(tmp_path / "site")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    run = [
+        "train",
+        "model.arch=stacklm",
+        "model.n_layer=2",
+        "model.n_embd=16",
+        "data.dataset=text",
+        "data.block_size=8",
+        "train.batch_size=4",
+        "train.max_steps=2",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+        "optim.ref_batch_size=4",
+        "optim.schedule=constant",
+        "optim.warmup_epochs=0",
+        f"data.root={gpt_text}",
+    ]
+    # fmt: skip
+    one = run_cli(*run, f"out_dir={tmp_path / 'one'}", env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    split = ["dist.tp=2", "dist.pp=2", "dist.pp_microbatches=2", "model.activation_checkpointing=full"]
+    proc = run_cli(*run, *split, f"out_dir={tmp_path / 'split'}", "--nproc-per-node", "4", "--oversubscribe",
+                   env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = (load_checkpoint(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "split"))
+    assert set(got) == set(want) and "layers.1.down.weight" in want
+    for k in want:
+        assert (got[k] - want[k]).abs().max() <= 1e-4 * max(want[k].abs().max().item(), 1e-2), k
 
 
 @pytest.mark.slow

@@ -116,3 +116,16 @@ def test_tests_mirror_the_package_and_import_helpers_from_conftest_only():
         if re.search(r"^\s*(from|import) (" + "|".join(names) + r")\b", p.read_text(), flags=re.M)
     }
     assert importing == set(), "a test module imports another: move the helper into tests/conftest.py"
+
+
+def test_parallel_and_train_name_no_model_family():
+    # what a model needs for tp, pp and activation checkpointing is its family's (ModelFamily), next to the model
+    names = re.compile(r"\b(gpt|llama|resnet|vgg|vit|timm)", re.I)
+    named = [
+        f"{p.relative_to(SRC).as_posix()}:{i}: {line.strip()}"
+        for folder in ("parallel", "train")
+        for p in sorted((SRC / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if names.search(line)
+    ]
+    assert named == [], "ask the model's family (ddpkit.models.model_family) instead"

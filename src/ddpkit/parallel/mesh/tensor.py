@@ -1,5 +1,5 @@
 """Tensor parallelism with torch.distributed.tensor.parallel, by the plan the model's family declares
-(`ModelFamily.tp_plan`: the GPT's and the Llama's Megatron-style plans are models/blocks.py's) or by a user's own
+(`ModelFamily.tp_plan`; a stack of blocks declares models/blocks.py's Megatron-style plan) or by a user's own
 torch plan (`ddpkit.prepare(model, tp=2, tp_plan={...})`, checked against the model first: tp_plan.py).
 """
 
