@@ -21,10 +21,10 @@ from ddpkit.models import (
     build_model,
     check_arch,
     load_matching,
-    prepare_model,
     read_weights,
 )
 from ddpkit.parallel.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
+from ddpkit.train.builders import prepare_model
 
 
 def make_cfg(arch: str = "cnn", **model) -> Config:

@@ -37,6 +37,8 @@ MOVED: dict[str, str] = {
     "ddpkit.startup": "ddpkit.launcher.startup",
     "ddpkit.rng": "ddpkit.porting.rng",
     _D + "stacks": "ddpkit.diagnostics.stacks",
+    _D + "strategy": "ddpkit.parallel.strategy",
+    _D + "compression": "ddpkit.parallel.compression",
     "ddpkit.checkpoint_fields": "ddpkit.checkpoint.fields",
     "ddpkit.usermodule": "ddpkit.launcher.usermodule",
     "ddpkit.metrics_file": _T + "metrics_file",

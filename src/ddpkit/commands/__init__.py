@@ -7,10 +7,20 @@ A command's module (named by `entry`) may also define `add_flags(parser)` (its o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
+
+from ddpkit.errors import UserError
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that reports mistakes as a UserError (one line, exit 2) instead of usage + exit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py,
 torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data, building the
-model with its pretrained weights (weights.py), device preparation.
+model with its pretrained weights (weights.py).
 
 torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
 """
@@ -11,7 +11,6 @@ import difflib
 import os
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ddpkit.config import Config
@@ -30,7 +29,6 @@ from ddpkit.models.weights import (
     read_weights,
     strip_prefixes,
 )
-from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
 __all__ = [
     "BUILTIN",
@@ -46,7 +44,6 @@ __all__ = [
     "family_of_module",
     "load_matching",
     "model_family",
-    "prepare_model",
     "read_weights",
     "register_model",
     "strip_prefixes",
@@ -234,18 +231,4 @@ def build_model(
         )
     elif pretrained:
         (report or log.info)(load_matching(model, read_weights(pretrained), pretrained))
-    return model
-
-
-def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
-    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
-    device = torch.device(device)
-    if cfg.model.sync_bn and distributed:
-        if device.type == "cpu":
-            model = convert_gloo_sync_batchnorm(model)
-        else:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
-    if cfg.model.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     return model

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit import _moved
 from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 
@@ -135,3 +136,7 @@ class Compression:
         if not saved:
             return None, None
         return self.method.restore(saved, rank, world_size)
+
+
+# PowerSGD's hook, importable from here (and from the old ddpkit.distributed.compression) as before
+__getattr__ = _moved.names(__name__, {"PowerSGDHook": "ddpkit.parallel.powersgd"})

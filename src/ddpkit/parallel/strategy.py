@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpkit import _moved
 from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 
@@ -304,3 +305,15 @@ def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
         if entry.recognizes is not None and entry.recognizes(model, optimizer):
             return entry.cls(ctx)
     return Strategy(ctx)
+
+
+# the built-in strategies' classes, importable from here (and from the old ddpkit.distributed.strategy) as before
+__getattr__ = _moved.names(
+    __name__,
+    {
+        "DDPStrategy": "ddpkit.parallel.strategies.ddp",
+        "DataParallelStrategy": "ddpkit.parallel.strategies.dp",
+        "FSDPStrategy": "ddpkit.parallel.strategies.fsdp",
+        "Zero1Strategy": "ddpkit.parallel.strategies.zero1",
+    },
+)

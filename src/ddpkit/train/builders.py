@@ -19,6 +19,7 @@ from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
 from ddpkit.parallel.mesh import Layout, build_mesh, check_config
 from ddpkit.parallel.strategy import Strategy
+from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,7 +62,21 @@ def make_model(
         from ddpkit.models.loading import init_from
 
         init_from(model, cfg.model.init_from, report)
-    return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+    return prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+
+
+def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
+    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
+    device = torch.device(device)
+    if cfg.model.sync_bn and distributed:
+        if device.type == "cpu":
+            model = convert_gloo_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
