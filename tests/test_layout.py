@@ -192,3 +192,53 @@ def test_no_folder_imports_a_higher_one():
         "an import from a higher folder (docs/architecture.md)"
     )
     assert sorted(set(KNOWN_UPWARD) - set(upward)) == [], "fixed: take it off KNOWN_UPWARD"
+
+
+ALONE = r"""
+import ast, importlib, os, sys, pathlib, traceback
+
+src = pathlib.Path(sys.argv[1])
+modules, third_party = [], set()
+for path in sorted(src.rglob("*.py")):
+    parts = path.relative_to(src.parent).with_suffix("").parts
+    if parts[-1] != "__main__":
+        modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    for node in ast.parse(path.read_text()).body:  # what the modules import at their top, imported here once
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        third_party |= {n for n in names if n.split(".")[0] not in ("ddpkit", "__future__")}
+for name in sorted(third_party):
+    importlib.import_module(name)
+assert not [m for m in sys.modules if m.split(".")[0] == "ddpkit"]
+failed = 0
+for name in modules:
+    read, write = os.pipe()
+    if os.fork() == 0:  # a child with no ddpkit module imported: this one alone
+        os.close(read)
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            os.write(write, f"{name}: {traceback.format_exc().splitlines()[-1]}\n".encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as said:
+        message = said.read()
+    os.wait()
+    failed += bool(message)
+    sys.stdout.write(message)
+print(f"{len(modules)} modules, {failed} failed")
+"""
+
+
+def test_every_module_imports_alone_with_no_other_imported_first():
+    # one interpreter imports torch and the other third-party modules once; a fork of it per ddpkit module
+    # imports that module alone (a module that needs another imported first fails there)
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", ALONE, str(SRC)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n = len([p for p in _sources() if p.name != "__main__.py"])
+    assert proc.stdout.splitlines()[-1] == f"{n} modules, 0 failed", proc.stdout[-3000:]
