@@ -136,7 +136,8 @@ def read_myl(env):
                    master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), launcher="myl")
 
 
-LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE")
+# asked before the built-in pmi (order 400): its jobs set PMI_RANK too
+LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE", order=350)
 
 
 def add_flags(parser):
@@ -226,6 +227,11 @@ count = myext:COMMAND
 """
 
 
+def on_path(site) -> str:
+    """PYTHONPATH with `site` in front of what this process has (the ddpkit under test, where it is set)."""
+    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+
+
 def install_extensions(site):
     """myext, installed as pip would, declaring one entry of each extension point."""
     (site / "myext").mkdir(parents=True)
@@ -260,7 +266,7 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
     from ddpkit.checkpoint import load_checkpoint
 
     install_extensions(tmp_path / "site")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": on_path(tmp_path / "site")}
     run = [
         "train",
         "model.arch=stacklm",
@@ -291,7 +297,7 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
 
 
 @pytest.mark.slow
-def test_a_launcher_from_another_package_is_detected(tmp_path):
+def test_a_launcher_from_another_package_is_detected_before_a_built_in_one(tmp_path):
     import subprocess
     import sys
 
@@ -304,9 +310,11 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
             [sys.executable, "-m", "ddpkit", "info"],
             env=cli_env(
                 {
-                    "PYTHONPATH": str(tmp_path / "site"),
+                    "PYTHONPATH": on_path(tmp_path / "site"),
                     "MYL_RANK": str(r),
                     "MYL_SIZE": "2",
+                    "PMI_RANK": str(r),  # what pmi, a built-in detector, would read
+                    "PMI_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port,
                 }

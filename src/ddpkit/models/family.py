@@ -59,6 +59,6 @@ class ModelFamily:
         else:
             raise UserError(
                 f"model.arch={cfg.model.arch} has no pipeline split",
-                "dist.pp>1 cuts a model family that declares its split points (models.ModelFamily); for your "
-                "own model use ddpkit.prepare(model, pp=..., pp_split=[module names])",
+                "dist.pp>1 cuts a model whose family declares its split points: ModelFamily.pp_stage or "
+                "pp_split; for your own model use ddpkit.prepare(model, pp=..., pp_split=[module names])",
             )

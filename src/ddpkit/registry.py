@@ -1,0 +1,52 @@
+"""One extension point: named entries asked in an explicit order, added by `register` or by an installed package's
+entry point. An entry's `order` (lower first; equal orders in the order they were registered) lets an entry from
+outside come before a built-in one: the built-ins leave gaps (100, 200, ...) between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from ddpkit.entrypoints import entry_object
+
+T = TypeVar("T")
+
+LAST = 1000  # the order of an entry that does not say: after every built-in one
+
+
+class Registry(Generic[T]):
+    """Entries of class `cls` by name (entry.name), asked in `order` (entry.order, LAST when it has none); the
+    entry points of `group` are loaded the first time the whole table is asked for."""
+
+    def __init__(self, what: str, group: str, cls: type, spelled: str):
+        self.what, self.group, self.cls, self.spelled = what, group, cls, spelled
+        self._entries: dict[str, T] = {}
+        self._loaded = False
+
+    @staticmethod
+    def order_of(entry: Any) -> int:
+        return getattr(entry, "order", None) or LAST
+
+    def register(self, entry: T, *, replace: bool = False) -> T:
+        """Add `entry`; refuses a second entry of the same name unless replace=True."""
+        name = entry.name
+        if name in self._entries and not replace and self._entries[name] is not entry:
+            raise ValueError(f"{self.what} '{name}' is already registered")
+        self._entries.pop(name, None)
+        self._entries[name] = entry
+        return entry
+
+    def _load_entry_points(self, keep: Callable[[str], bool] = lambda name: True) -> None:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=self.group):
+            if ep.name not in self._entries and keep(ep.name):
+                self.register(entry_object(ep, self.cls, f"{self.what} '{ep.name}'", self.spelled))
+
+    def entries(self) -> list[T]:
+        """Every entry, built-in, registered and installed, in order."""
+        if not self._loaded:
+            self._load_entry_points()
+            self._loaded = True
+        return sorted(self._entries.values(), key=self.order_of)  # stable: equal orders as registered
