@@ -153,10 +153,6 @@ def _rank_of(parts: tuple[str, ...], order: list[str]) -> int:
 KNOWN_UPWARD = {
     "config/__init__.py -> parallel": "the strategy and compression names checked by the registries at load",
     "config/__init__.py -> data": "the data-set name checked by the data-set registry at load",
-    "distributed/blame.py -> launcher": "blame names failed ranks for the launcher: it moves to launcher/",
-    "distributed/reaper.py -> launcher": "the child reaper is the launcher's: it moves to launcher/",
-    "distributed/runtime.py -> launcher": "the exit drain asks warm_start whether the process finalizes",
-    "distributed/runtime.py -> train": "teardown stops the heartbeat: a teardown hook the heartbeat registers",
     "checkpoint/sharded.py -> parallel": "parallel/state_dict.py (full state of DTensor models) moves here",
     "data/roles.py -> parallel": "roles are ddpkit.prepare's: roles.py moves to porting/",
     "parallel/pipeline/trainer.py -> train": "the pipeline half of the train loop: it moves to train/",
