@@ -37,6 +37,7 @@ MOVED: dict[str, str] = {
     "ddpkit.startup": "ddpkit.launcher.startup",
     "ddpkit.rng": "ddpkit.porting.rng",
     _D + "stacks": "ddpkit.diagnostics.stacks",
+    "ddpkit.data.roles": "ddpkit.porting.roles",
     _D + "strategy": "ddpkit.parallel.strategy",
     _D + "compression": "ddpkit.parallel.compression",
     "ddpkit.checkpoint_fields": "ddpkit.checkpoint.fields",
