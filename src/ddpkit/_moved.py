@@ -38,6 +38,7 @@ MOVED: dict[str, str] = {
     "ddpkit.rng": "ddpkit.porting.rng",
     _D + "stacks": "ddpkit.diagnostics.stacks",
     "ddpkit.data.roles": "ddpkit.porting.roles",
+    "ddpkit.parallel.state_dict": "ddpkit.checkpoint.state_dict",
     _D + "strategy": "ddpkit.parallel.strategy",
     _D + "compression": "ddpkit.parallel.compression",
     "ddpkit.checkpoint_fields": "ddpkit.checkpoint.fields",

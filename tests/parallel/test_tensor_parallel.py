@@ -160,7 +160,7 @@ def _train(model, opt, batches):
 
 
 def _full(model) -> dict:
-    from ddpkit.parallel.state_dict import model_state
+    from ddpkit.checkpoint.state_dict import model_state
 
     return {k: v.numpy().copy() for k, v in model_state(model).items()}  # plain arrays through the queue
 
