@@ -5,19 +5,20 @@ outside come before a built-in one: the built-ins leave gaps (100, 200, ...) bet
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
-from ddpkit.entrypoints import entry_object
+from ddpkit.entrypoints import entry_object, named_entry
 
 T = TypeVar("T")
 
 LAST = 1000  # the order of an entry that does not say: after every built-in one
 
 
-class Registry(Generic[T]):
-    """Entries of class `cls` by name (entry.name), asked in `order` (entry.order, LAST when it has none); the
-    entry points of `group` are loaded the first time the whole table is asked for."""
+class Registry(Mapping[str, T]):
+    """Entries of class `cls` by name (entry.name), asked in `order` (entry.order, LAST when it has none). As a
+    mapping it holds the entries registered so far, in order; `find(name)` also asks the installed packages for
+    that name, and `entries()` for all of theirs (entry point group `group`, loaded once)."""
 
     def __init__(self, what: str, group: str, cls: type, spelled: str):
         self.what, self.group, self.cls, self.spelled = what, group, cls, spelled
@@ -37,6 +38,22 @@ class Registry(Generic[T]):
         self._entries[name] = entry
         return entry
 
+    def __getitem__(self, name: str) -> T:
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries, key=lambda name: self.order_of(self._entries[name])))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, name: str) -> T | None:
+        """The entry `name`: registered, or declared under that name by an installed package (registered then)."""
+        if name in self._entries:
+            return self._entries[name]
+        entry = named_entry(self.group, name, self.cls, f"{self.what} '{name}'", self.spelled)
+        return None if entry is None else self.register(entry, replace=True)
+
     def _load_entry_points(self, keep: Callable[[str], bool] = lambda name: True) -> None:
         from importlib.metadata import entry_points
 
@@ -49,4 +66,4 @@ class Registry(Generic[T]):
         if not self._loaded:
             self._load_entry_points()
             self._loaded = True
-        return sorted(self._entries.values(), key=self.order_of)  # stable: equal orders as registered
+        return [self._entries[name] for name in self]

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any, Literal
 
 from ddpkit.errors import UserError
+from ddpkit.registry import Registry
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -52,117 +53,95 @@ class Command:
         return getattr(self.module, self.entry.split(":")[1])
 
 
-COMMANDS: dict[str, Command] = {
-    c.name: c
-    for c in (
-        Command(
-            "train",
-            "train a model (the default recipe: digits, built-in CNN)",
-            "ddpkit.commands.train:train_command",
-        ),
-        Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
-        Command(
-            "run",
-            "run your own script (torchrun-style) unchanged under any launcher: ddpkit run [flags] SCRIPT.py",
-            "ddpkit.commands.run:run_command",
-            config="none",
-            mode="script",
-        ),
-        Command(
-            "generate",
-            "sample text from a trained language model: ddpkit generate RUN_DIR_OR_CHECKPOINT --prompt TEXT",
-            "ddpkit.commands.lm.generate:generate_command",
-            config="none",
-            mode="script",
-        ),
-        Command(
-            "export",
-            "write a trained GPT as a Hugging Face folder: ddpkit export CHECKPOINT --to hf OUT_DIR",
-            "ddpkit.commands.lm.export:export_command",
-            config="none",
-            mode="script",
-        ),
-        Command(
-            "stacks",
-            "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
-            "ddpkit.commands.stacks:stacks_command",
-            config="none",
-            mode="script",
-        ),
-        Command(
-            "info",
-            "one line per rank: rank, local_rank, world_size, host, backend, device",
-            "ddpkit.commands.info:info_command",
-            config="dist",
-        ),
-        Command(
-            "comm",
-            "check every collective and measure bandwidth",
-            "ddpkit.commands.comm:comm_command",
-            config="dist",
-        ),
-        Command(
-            "report",
-            "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
-            "ddpkit.commands.report:report_command",
-            config="none",
-            mode="local",
-        ),
-        Command(
-            "bench",
-            "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
-            "ddpkit.commands.bench:bench_command",
-            mode="local",
-        ),
-        Command(
-            "slurm",
-            "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
-            "ddpkit.commands.slurm:slurm_command",
-            mode="local",
-        ),
-        Command(
-            "k8s",
-            "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
-            "ddpkit.commands.k8s:k8s_command",
-            mode="local",
-        ),
-    )
-}
-
 ENTRY_POINT_GROUP = "ddpkit.commands"
+COMMANDS: Registry[Command] = Registry("command", ENTRY_POINT_GROUP, Command, "ddpkit.commands.Command")
+
+for _command in (
+    Command(
+        "train",
+        "train a model (the default recipe: digits, built-in CNN)",
+        "ddpkit.commands.train:train_command",
+    ),
+    Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
+    Command(
+        "run",
+        "run your own script (torchrun-style) unchanged under any launcher: ddpkit run [flags] SCRIPT.py",
+        "ddpkit.commands.run:run_command",
+        config="none",
+        mode="script",
+    ),
+    Command(
+        "generate",
+        "sample text from a trained language model: ddpkit generate RUN_DIR_OR_CHECKPOINT --prompt TEXT",
+        "ddpkit.commands.lm.generate:generate_command",
+        config="none",
+        mode="script",
+    ),
+    Command(
+        "export",
+        "write a trained GPT as a Hugging Face folder: ddpkit export CHECKPOINT --to hf OUT_DIR",
+        "ddpkit.commands.lm.export:export_command",
+        config="none",
+        mode="script",
+    ),
+    Command(
+        "stacks",
+        "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
+        "ddpkit.commands.stacks:stacks_command",
+        config="none",
+        mode="script",
+    ),
+    Command(
+        "info",
+        "one line per rank: rank, local_rank, world_size, host, backend, device",
+        "ddpkit.commands.info:info_command",
+        config="dist",
+    ),
+    Command(
+        "comm",
+        "check every collective and measure bandwidth",
+        "ddpkit.commands.comm:comm_command",
+        config="dist",
+    ),
+    Command(
+        "report",
+        "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
+        "ddpkit.commands.report:report_command",
+        config="none",
+        mode="local",
+    ),
+    Command(
+        "bench",
+        "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
+        "ddpkit.commands.bench:bench_command",
+        mode="local",
+    ),
+    Command(
+        "slurm",
+        "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
+        "ddpkit.commands.slurm:slurm_command",
+        mode="local",
+    ),
+    Command(
+        "k8s",
+        "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
+        "ddpkit.commands.k8s:k8s_command",
+        mode="local",
+    ),
+):
+    COMMANDS.register(_command)
 
 
 def register_command(command: Command, *, replace: bool = False) -> Command:
     """Make `ddpkit NAME` run `command`. Refuses a second command of the same name unless replace=True."""
-    same = COMMANDS.get(command.name)
-    if same is not None and not replace and same is not command:
-        raise ValueError(f"command '{command.name}' is already registered")
-    COMMANDS[command.name] = command
-    return command
-
-
-def _entry_points(name: str | None = None) -> list[Command]:
-    """The commands installed packages declare (entry point group ddpkit.commands; `name`: only that one)."""
-    from importlib.metadata import entry_points
-
-    from ddpkit.entrypoints import entry_object
-
-    found = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if name is None or ep.name == name:
-            command = entry_object(ep, Command, f"command '{ep.name}'", "ddpkit.commands.Command")
-            found.append(register_command(command, replace=True))
-    return found
+    return COMMANDS.register(command, replace=replace)
 
 
 def get_command(name: str) -> Command | None:
     """The command `ddpkit NAME` runs (the built-ins first; an installed package's asked only then), or None."""
-    if name in COMMANDS:
-        return COMMANDS[name]
-    return next(iter(_entry_points(name)), None)
+    return COMMANDS.find(name)
 
 
 def all_commands() -> dict[str, Command]:
     """Every command: the built-ins and those installed packages declare (for `ddpkit --help` and hints)."""
-    _entry_points()
-    return dict(COMMANDS)
+    return {c.name: c for c in COMMANDS.entries()}
