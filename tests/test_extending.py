@@ -1,8 +1,9 @@
 """Extension points from outside the package: a data set registered through an entry point trains with ddpkit
-train; a model, a strategy and a compression method train on two processes; a launcher is detected; a command
-runs on two processes.
+train; a model, a strategy and a compression method train on two processes; a model family trains under tp x pp
+with activation checkpointing; a launcher is detected before a built-in one; a command runs on two processes.
 
-Time budget: 150 s on 2 cores (four launches of 2 processes, a few single processes; measured 116 s)."""
+Time budget: 175 s on 2 cores (four launches of 2 processes, one of 4, a few single processes; measured 116 s
+before the family's test)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists, the
-folders, the size limits, the tests mirroring the package. Budget: 30 s (reads files; one process imports every module)."""
+folders and their order, the size limits, the tests mirroring the package, no model named in parallel/ and
+train/, every module importable alone. Budget: 45 s (reads files; one process imports every moved module; one
+imports torch and forks once per module: about 14 s of CPU)."""
 
 from __future__ import annotations
 
