@@ -206,35 +206,27 @@ def _pbs(env: Mapping[str, str]) -> DistEnv:
 
 
 # The built-in table, in order of precedence (torchrun's variables win over the cluster's that started it).
-for _order, _detector in enumerate(
-    (
-        LauncherDetector(
-            "torchrun", lambda e: "RANK" in e or "WORLD_SIZE" in e, _from_torchrun, "WORLD_SIZE"
-        ),
-        LauncherDetector(
-            "slurm",
-            lambda e: "SLURM_PROCID" in e and ("SLURM_STEP_NUM_TASKS" in e or "SLURM_NTASKS" in e),
-            _from_slurm,
-            "SLURM_STEP_NUM_TASKS",
-        ),
-        LauncherDetector(
-            "openmpi",
-            lambda e: "OMPI_COMM_WORLD_RANK" in e or "OMPI_COMM_WORLD_SIZE" in e,
-            _openmpi,
-            "OMPI_COMM_WORLD_SIZE",
-        ),
-        LauncherDetector("pmi", lambda e: "PMI_RANK" in e or "PMI_SIZE" in e, _pmi, "PMI_SIZE"),
-        LauncherDetector(
-            "lsf",
-            lambda e: "JSM_NAMESPACE_RANK" in e or "JSM_NAMESPACE_SIZE" in e,
-            _lsf,
-            "JSM_NAMESPACE_SIZE",
-        ),
-        LauncherDetector("pbs", lambda e: "PBS_VNODENUM" in e and "PBS_NODEFILE" in e, _pbs, None),
+for _detector in (
+    LauncherDetector("torchrun", lambda e: "RANK" in e or "WORLD_SIZE" in e, _from_torchrun, "WORLD_SIZE"),
+    LauncherDetector(
+        "slurm",
+        lambda e: "SLURM_PROCID" in e and ("SLURM_STEP_NUM_TASKS" in e or "SLURM_NTASKS" in e),
+        _from_slurm,
+        "SLURM_STEP_NUM_TASKS",
     ),
-    start=1,
-):
-    register_launcher(dataclasses.replace(_detector, order=100 * _order))
+    LauncherDetector(
+        "openmpi",
+        lambda e: "OMPI_COMM_WORLD_RANK" in e or "OMPI_COMM_WORLD_SIZE" in e,
+        _openmpi,
+        "OMPI_COMM_WORLD_SIZE",
+    ),
+    LauncherDetector("pmi", lambda e: "PMI_RANK" in e or "PMI_SIZE" in e, _pmi, "PMI_SIZE"),
+    LauncherDetector(
+        "lsf", lambda e: "JSM_NAMESPACE_RANK" in e or "JSM_NAMESPACE_SIZE" in e, _lsf, "JSM_NAMESPACE_SIZE"
+    ),
+    LauncherDetector("pbs", lambda e: "PBS_VNODENUM" in e and "PBS_NODEFILE" in e, _pbs, None),
+):  # orders 100, 200, ...: a hundred apart, so a package's launcher can come between two of them
+    register_launcher(dataclasses.replace(_detector, order=100 * (len(DETECTORS) + 1)))
 
 
 def launchers() -> list[LauncherDetector]:

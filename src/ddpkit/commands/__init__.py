@@ -53,82 +53,86 @@ class Command:
         return getattr(self.module, self.entry.split(":")[1])
 
 
+_BUILT_IN: dict[str, Command] = {
+    c.name: c
+    for c in (
+        Command(
+            "train",
+            "train a model (the default recipe: digits, built-in CNN)",
+            "ddpkit.commands.train:train_command",
+        ),
+        Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
+        Command(
+            "run",
+            "run your own script (torchrun-style) unchanged under any launcher: ddpkit run [flags] SCRIPT.py",
+            "ddpkit.commands.run:run_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
+            "generate",
+            "sample text from a trained language model: ddpkit generate RUN_DIR_OR_CHECKPOINT --prompt TEXT",
+            "ddpkit.commands.lm.generate:generate_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
+            "export",
+            "write a trained GPT as a Hugging Face folder: ddpkit export CHECKPOINT --to hf OUT_DIR",
+            "ddpkit.commands.lm.export:export_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
+            "stacks",
+            "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
+            "ddpkit.commands.stacks:stacks_command",
+            config="none",
+            mode="script",
+        ),
+        Command(
+            "info",
+            "one line per rank: rank, local_rank, world_size, host, backend, device",
+            "ddpkit.commands.info:info_command",
+            config="dist",
+        ),
+        Command(
+            "comm",
+            "check every collective and measure bandwidth",
+            "ddpkit.commands.comm:comm_command",
+            config="dist",
+        ),
+        Command(
+            "report",
+            "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
+            "ddpkit.commands.report:report_command",
+            config="none",
+            mode="local",
+        ),
+        Command(
+            "bench",
+            "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
+            "ddpkit.commands.bench:bench_command",
+            mode="local",
+        ),
+        Command(
+            "slurm",
+            "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
+            "ddpkit.commands.slurm:slurm_command",
+            mode="local",
+        ),
+        Command(
+            "k8s",
+            "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
+            "ddpkit.commands.k8s:k8s_command",
+            mode="local",
+        ),
+    )
+}
+
 ENTRY_POINT_GROUP = "ddpkit.commands"
 COMMANDS: Registry[Command] = Registry("command", ENTRY_POINT_GROUP, Command, "ddpkit.commands.Command")
-
-for _command in (
-    Command(
-        "train",
-        "train a model (the default recipe: digits, built-in CNN)",
-        "ddpkit.commands.train:train_command",
-    ),
-    Command("eval", "score checkpoint.path on the validation set", "ddpkit.commands.eval:eval_command"),
-    Command(
-        "run",
-        "run your own script (torchrun-style) unchanged under any launcher: ddpkit run [flags] SCRIPT.py",
-        "ddpkit.commands.run:run_command",
-        config="none",
-        mode="script",
-    ),
-    Command(
-        "generate",
-        "sample text from a trained language model: ddpkit generate RUN_DIR_OR_CHECKPOINT --prompt TEXT",
-        "ddpkit.commands.lm.generate:generate_command",
-        config="none",
-        mode="script",
-    ),
-    Command(
-        "export",
-        "write a trained GPT as a Hugging Face folder: ddpkit export CHECKPOINT --to hf OUT_DIR",
-        "ddpkit.commands.lm.export:export_command",
-        config="none",
-        mode="script",
-    ),
-    Command(
-        "stacks",
-        "print the Python stack of every rank of a running ddpkit job: ddpkit stacks [LAUNCHER_PID]",
-        "ddpkit.commands.stacks:stacks_command",
-        config="none",
-        mode="script",
-    ),
-    Command(
-        "info",
-        "one line per rank: rank, local_rank, world_size, host, backend, device",
-        "ddpkit.commands.info:info_command",
-        config="dist",
-    ),
-    Command(
-        "comm",
-        "check every collective and measure bandwidth",
-        "ddpkit.commands.comm:comm_command",
-        config="dist",
-    ),
-    Command(
-        "report",
-        "compare runs: curves (PNG), a table of accuracy, time and throughput, --html, --json",
-        "ddpkit.commands.report:report_command",
-        config="none",
-        mode="local",
-    ),
-    Command(
-        "bench",
-        "scaling: images/s, speed-up and efficiency of the same training at each --nproc count",
-        "ddpkit.commands.bench:bench_command",
-        mode="local",
-    ),
-    Command(
-        "slurm",
-        "write (and --submit) an sbatch script that trains on N nodes x G GPUs",
-        "ddpkit.commands.slurm:slurm_command",
-        mode="local",
-    ),
-    Command(
-        "k8s",
-        "print a Kubeflow PyTorchJob manifest that trains on N pods x G GPUs",
-        "ddpkit.commands.k8s:k8s_command",
-        mode="local",
-    ),
-):
+for _command in _BUILT_IN.values():
     COMMANDS.register(_command)
 
 
