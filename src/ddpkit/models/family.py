@@ -25,6 +25,7 @@ class ModelFamily:
     check: Callable[[str], None] = lambda arch: None  # UserError for a name it owns but cannot build
     names: Callable[[], list[str]] = list  # names to suggest for a mistyped arch
     torchvision_weights: bool = False  # model.pretrained=torchvision applies
+    order: int | None = None  # where it is asked (ddpkit.registry): None, before the built-ins (100 to 500)
     # a language model's family: (arch, vocab_size, block_size, cfg.model) -> model; `build` is then unused
     build_lm: Callable[[str, int, int, Any], nn.Module] | None = None
     # the parallel layouts: a family without one of these is refused for that layout, before workers start

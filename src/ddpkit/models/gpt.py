@@ -186,4 +186,5 @@ FAMILY = ModelFamily(
     build_lm=_build_gpt,
     module_types=(GPT,),
     **STACK.family_fields(),
+    order=200,
 )

@@ -184,4 +184,5 @@ FAMILY = ModelFamily(
     build_lm=_build_llama,
     module_types=(Llama,),
     **STACK.family_fields(),
+    order=300,
 )

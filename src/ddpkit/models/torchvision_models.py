@@ -82,4 +82,5 @@ FAMILY = ModelFamily(
     names=torchvision_names,
     torchvision_weights=True,
     pp_split=resnet_splits,
+    order=500,
 )
