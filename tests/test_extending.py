@@ -34,6 +34,11 @@ ENTRY = DatasetEntry("signs", build, label="signs of the mean")
 """
 
 
+def on_path(site) -> str:
+    """PYTHONPATH with `site` in front of what this process has (the ddpkit under test, where it is set)."""
+    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+
+
 def install(site):
     """mydata, installed as pip would (a dist-info with an entry point), on a folder put on PYTHONPATH."""
     (site / "mydata").mkdir(parents=True)
@@ -57,7 +62,7 @@ def test_a_data_set_from_another_package_trains_with_ddpkit_train(tmp_path):
         "--nproc-per-node",
         "2",
     ]
-    proc = run_cli(*args, env={"PYTHONPATH": str(tmp_path / "site")})
+    proc = run_cli(*args, env={"PYTHONPATH": on_path(tmp_path / "site")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert (
@@ -228,11 +233,6 @@ count = myext:COMMAND
 """
 
 
-def on_path(site) -> str:
-    """PYTHONPATH with `site` in front of what this process has (the ddpkit under test, where it is set)."""
-    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
-
-
 def install_extensions(site):
     """myext, installed as pip would, declaring one entry of each extension point."""
     (site / "myext").mkdir(parents=True)
@@ -251,7 +251,7 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
     out = tmp_path / "run"
     args = ["train", "model.arch=tiny", "dist.strategy=myddp", "dist.grad_compression=half", "train.epochs=1"]
     proc = run_cli(*args, "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
-                   env={"PYTHONPATH": str(tmp_path / "site")})  # fmt: skip
+                   env={"PYTHONPATH": on_path(tmp_path / "site")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy myddp" in (out / "log.txt").read_text()
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -335,7 +335,7 @@ def test_a_launcher_from_another_package_is_detected_before_a_built_in_one(tmp_p
 @pytest.mark.slow
 def test_a_command_from_another_package_runs_on_two_processes(tmp_path):
     install_extensions(tmp_path / "site")
-    env = {"PYTHONPATH": str(tmp_path / "site")}
+    env = {"PYTHONPATH": on_path(tmp_path / "site")}
     listed = run_cli("--help", env=env)
     assert listed.returncode == 0 and "count  sum the ranks, each plus one" in listed.stdout
     proc = run_cli("count", "--times", "10", "dist.backend=gloo", "--nproc-per-node", "2", env=env)
