@@ -1,11 +1,13 @@
 """Extension points from outside the package: a data set registered through an entry point trains with ddpkit
-train; a model, a strategy and a compression method train on two processes; a launcher is detected; a command
-runs on two processes.
+train; a model, a strategy and a compression method train on two processes; a model family trains under tp x pp
+with activation checkpointing; a launcher is detected before a built-in one; a command runs on two processes.
 
-Time budget: 150 s on 2 cores (four launches of 2 processes, a few single processes; measured 116 s)."""
+Time budget: 175 s on 2 cores (four launches of 2 processes, one of 4, a few single processes; measured 116 s
+before the family's test)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -32,6 +34,11 @@ ENTRY = DatasetEntry("signs", build, label="signs of the mean")
 """
 
 
+def on_path(site) -> str:
+    """PYTHONPATH with `site` in front of what this process has (the ddpkit under test, where it is set)."""
+    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+
+
 def install(site):
     """mydata, installed as pip would (a dist-info with an entry point), on a folder put on PYTHONPATH."""
     (site / "mydata").mkdir(parents=True)
@@ -55,7 +62,7 @@ def test_a_data_set_from_another_package_trains_with_ddpkit_train(tmp_path):
         "--nproc-per-node",
         "2",
     ]
-    proc = run_cli(*args, env={"PYTHONPATH": str(tmp_path / "site")})
+    proc = run_cli(*args, env={"PYTHONPATH": on_path(tmp_path / "site")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert (
@@ -135,7 +142,8 @@ def read_myl(env):
                    master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), launcher="myl")
 
 
-LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE")
+# asked before the built-in pmi (order 400): its jobs set PMI_RANK too
+LAUNCHER = LauncherDetector("myl", lambda env: "MYL_RANK" in env, read_myl, world_var="MYL_SIZE", order=350)
 
 
 def add_flags(parser):
@@ -151,10 +159,65 @@ def count_command(cfg, args, ctx):
 
 
 COMMAND = Command("count", "sum the ranks, each plus one", "myext:count_command", config="dist")
+
+
+# a language model whose family declares its own parallel facts, written with torch's styles only
+class Layer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class StackLM(nn.Module):
+    def __init__(self, vocab_size, width, n_layer):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleDict({str(i): Layer(width) for i in range(n_layer)})
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        x = self.emb(x) if self.emb is not None else x
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.out(x) if self.out is not None else x
+
+
+def stack_plan(model, tp):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {f"layers.{i}.up": ColwiseParallel() for i in model.layers}
+    return plan | {f"layers.{i}.down": RowwiseParallel() for i in model.layers}
+
+
+def stack_stage(model, stage, n_stages):
+    per = len(model.layers) // n_stages
+    for name in list(model.layers):
+        if int(name) // per != stage:
+            del model.layers[name]
+    model.emb = model.emb if stage == 0 else None
+    model.out = model.out if stage == n_stages - 1 else None
+    return model
+
+
+STACK_MODEL = ModelFamily(
+    "stacklm",
+    owns=lambda arch: arch == "stacklm",
+    build=None,
+    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.n_embd, m.n_layer),
+    module_types=(StackLM,),
+    tp_plan=stack_plan,
+    pp_stage=stack_stage,
+    pp_check=lambda cfg, n_stages: None,
+    checkpointed=lambda model: list(model.layers.values()),
+)
 """
 
 ENTRY_POINTS = """[ddpkit.models]
 tiny = myext:MODEL
+stacklm = myext:STACK_MODEL
 
 [ddpkit.strategies]
 myddp = myext:STRATEGY
@@ -188,7 +251,7 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
     out = tmp_path / "run"
     args = ["train", "model.arch=tiny", "dist.strategy=myddp", "dist.grad_compression=half", "train.epochs=1"]
     proc = run_cli(*args, "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
-                   env={"PYTHONPATH": str(tmp_path / "site")})  # fmt: skip
+                   env={"PYTHONPATH": on_path(tmp_path / "site")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy myddp" in (out / "log.txt").read_text()
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -197,7 +260,45 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
 
 
 @pytest.mark.slow
-def test_a_launcher_from_another_package_is_detected(tmp_path):
+def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointing_as_one_process(
+    tmp_path, gpt_text
+):
+    # its family declares a tensor-parallel plan, a pipeline cut and its checkpointed blocks; ddpkit names none
+    from ddpkit.checkpoint import load_checkpoint
+
+    install_extensions(tmp_path / "site")
+    env = {"PYTHONPATH": on_path(tmp_path / "site")}
+    run = [
+        "train",
+        "model.arch=stacklm",
+        "model.n_layer=2",
+        "model.n_embd=16",
+        "data.dataset=text",
+        "data.block_size=8",
+        "train.batch_size=4",
+        "train.max_steps=2",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+        "optim.ref_batch_size=4",
+        "optim.schedule=constant",
+        "optim.warmup_epochs=0",
+        f"data.root={gpt_text}",
+    ]
+    # fmt: skip
+    one = run_cli(*run, f"out_dir={tmp_path / 'one'}", env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    split = ["dist.tp=2", "dist.pp=2", "dist.pp_microbatches=2", "model.activation_checkpointing=full"]
+    proc = run_cli(*run, *split, f"out_dir={tmp_path / 'split'}", "--nproc-per-node", "4", "--oversubscribe",
+                   env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = (load_checkpoint(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "split"))
+    assert set(got) == set(want) and "layers.1.down.weight" in want
+    for k in want:
+        assert (got[k] - want[k]).abs().max() <= 1e-4 * max(want[k].abs().max().item(), 1e-2), k
+
+
+@pytest.mark.slow
+def test_a_launcher_from_another_package_is_detected_before_a_built_in_one(tmp_path):
     import subprocess
     import sys
 
@@ -210,9 +311,11 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
             [sys.executable, "-m", "ddpkit", "info"],
             env=cli_env(
                 {
-                    "PYTHONPATH": str(tmp_path / "site"),
+                    "PYTHONPATH": on_path(tmp_path / "site"),
                     "MYL_RANK": str(r),
                     "MYL_SIZE": "2",
+                    "PMI_RANK": str(r),  # what pmi, a built-in detector, would read
+                    "PMI_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port,
                 }
@@ -232,7 +335,7 @@ def test_a_launcher_from_another_package_is_detected(tmp_path):
 @pytest.mark.slow
 def test_a_command_from_another_package_runs_on_two_processes(tmp_path):
     install_extensions(tmp_path / "site")
-    env = {"PYTHONPATH": str(tmp_path / "site")}
+    env = {"PYTHONPATH": on_path(tmp_path / "site")}
     listed = run_cli("--help", env=env)
     assert listed.returncode == 0 and "count  sum the ranks, each plus one" in listed.stdout
     proc = run_cli("count", "--times", "10", "dist.backend=gloo", "--nproc-per-node", "2", env=env)

@@ -21,10 +21,10 @@ from ddpkit.models import (
     build_model,
     check_arch,
     load_matching,
-    prepare_model,
     read_weights,
 )
 from ddpkit.parallel.sync_bn import GlooSyncBatchNorm, convert_gloo_sync_batchnorm
+from ddpkit.train.builders import prepare_model
 
 
 def make_cfg(arch: str = "cnn", **model) -> Config:
@@ -137,7 +137,7 @@ def _check_toy(arch: str) -> None:
         raise UserError(f"bad toy model '{arch}'", "write toy:N")
 
 
-def test_a_model_family_is_one_registry_entry(monkeypatch):
+def test_a_model_family_is_one_registry_entry(request):
     toy = ModelFamily(
         "toy",
         owns=lambda arch: arch.startswith("toy:"),
@@ -145,7 +145,9 @@ def test_a_model_family_is_one_registry_entry(monkeypatch):
         check=_check_toy,
         names=lambda: ["toy:1"],
     )
-    monkeypatch.setattr(models, "MODEL_FAMILIES", (*MODEL_FAMILIES, toy))
+    models.register_model(toy)
+    request.addfinalizer(lambda: MODEL_FAMILIES.unregister("toy"))
+    assert list(MODEL_FAMILIES)[0] == "toy"  # asked before the built-in families
     check_arch(make_cfg("toy:1"))
     assert build("toy:1", 4, 1, 8)(torch.randn(2, 1, 8, 8)).shape == (2, 4)
     with pytest.raises(UserError, match="bad toy"):
@@ -154,7 +156,8 @@ def test_a_model_family_is_one_registry_entry(monkeypatch):
         check_arch(make_cfg("tyo:1"))  # its names are suggested like everyone's
     with pytest.raises(UserError, match="needs a torchvision model"):
         check_arch(make_cfg("toy:1", pretrained="torchvision"))
-    assert [f.name for f in MODEL_FAMILIES] == ["builtin", "gpt", "llama", "timm", "torchvision"]
+    MODEL_FAMILIES.unregister("toy")
+    assert list(MODEL_FAMILIES) == ["builtin", "gpt", "llama", "timm", "torchvision"]
 
 
 def test_timm_missing_is_user_error(monkeypatch):

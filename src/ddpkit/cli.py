@@ -13,22 +13,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpkit.commands import Command, all_commands, get_command
+from ddpkit.commands import Command, CommandParser, all_commands, get_command
 from ddpkit.errors import Failure, UserError, escaped
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes as a UserError (one line, exit 2) instead of usage + exit."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UserError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
 
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
     from ddpkit.launcher.spec import add_launch_flags
 
-    p = _Parser(prog=f"ddpkit {command.name}", description=command.help)
+    p = CommandParser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
         p.add_argument(
             "-c", "--config", metavar="FILE.yaml", help="YAML config; KEY=VALUE overrides win over it"

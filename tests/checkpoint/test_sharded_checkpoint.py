@@ -123,8 +123,8 @@ def _tp2_saved_then_loaded(rank, world_size, folder):
     step. (the full weights after the second step of each, the saved weights)"""
     import ddpkit
     from ddpkit.checkpoint import sharded
+    from ddpkit.checkpoint.state_dict import model_state
     from ddpkit.models.gpt import GPT, lm_loss
-    from ddpkit.parallel.state_dict import model_state
 
     def made():
         torch.manual_seed(0)

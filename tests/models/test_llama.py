@@ -1,7 +1,7 @@
 """The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
 attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
-checkpointing, and tied under FSDP, equal to one process. Budget: about 60 s (four `ddpkit train` runs of 6 steps,
-two on 2 processes)."""
+checkpointing, under a pipeline, and tied under FSDP, equal to one process. Budget: about 75 s (five `ddpkit
+train` runs of 6 steps, three on 2 processes)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,9 @@ def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gpt_text, tmp_path, capsys):
+def test_llama_under_tensor_parallelism_with_checkpointing_and_under_a_pipeline_equals_one_process(
+    gpt_text, tmp_path, capsys
+):
     from ddpkit.checkpoint import load_checkpoint
 
     gpt_train(tmp_path / "one", gpt_text, 1, *LLAMA[len(GPT_RUN) :], "train.max_steps=6")
@@ -85,14 +87,20 @@ def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(gp
         tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2",
         "model.activation_checkpointing=full", dp=1,
     )  # fmt: skip
+    # its family's pipeline cut (at its blocks, models/blocks.py) too
+    gpt_train(tmp_path / "pp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.pp=2", dp=1)
     one, tp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "tp")
     assert "blocks.1.mlp.gate.weight" in one
     assert load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
     _assert_close(tp, one)
+    _assert_close(_last_weights(tmp_path / "pp"), one)
     for bad, fragment in (
         (["model.n_kv_head=1", "dist.tp=2"], "model.n_kv_head=1 cannot be split over dist.tp=2"),
         (["model.n_kv_head=3"], "not a multiple of model.n_kv_head=3"),
-        (["dist.pp=2"], "model.arch=llama has no pipeline split"),
+        (
+            ["dist.pp=2", "model.n_layer=3"],
+            "model.n_layer=3 blocks cannot be cut into 2 equal pipeline stages",
+        ),
         (["model.tie_embeddings=true", "dist.tp=2"], "model.tie_embeddings=true is not supported"),
     ):
         argv = ["train", f"out_dir={tmp_path / 'bad'}", f"data.root={gpt_text}", *LLAMA, *bad]

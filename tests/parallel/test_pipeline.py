@@ -23,7 +23,8 @@ import pipeline_user_model as user
 from conftest import assert_user_error, run_cli
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
-from ddpkit.parallel.pipeline.plan import block_ranges, check_pipeline, stage_ids
+from ddpkit.models.blocks import block_ranges
+from ddpkit.parallel.pipeline.plan import check_pipeline, stage_ids
 
 TINY = [
     "model.arch=gpt",

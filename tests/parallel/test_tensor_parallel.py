@@ -160,7 +160,7 @@ def _train(model, opt, batches):
 
 
 def _full(model) -> dict:
-    from ddpkit.parallel.state_dict import model_state
+    from ddpkit.checkpoint.state_dict import model_state
 
     return {k: v.numpy().copy() for k, v in model_state(model).items()}  # plain arrays through the queue
 
@@ -185,7 +185,7 @@ def _prepared_run(rank, world_size, make, options):
     checkpointed = options.pop("checkpointing", False)
     model = make()
     if checkpointed:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model.blocks.values())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = ddpkit.prepare(model, opt, **options)
     layout = layout_of(world_size, options.get("tp", 1))
@@ -210,12 +210,12 @@ def _assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
 
 
 def _layouts_on_two(rank, world_size):
-    from ddpkit.parallel.mesh.tensor import gpt_plan
+    from ddpkit.models.gpt import STACK
 
     return {
         "tp2": _prepared_run(rank, world_size, _gpt, {"tp": 2}),
         "tp2_no_sp": _prepared_run(
-            rank, world_size, _gpt, {"tp": 2, "tp_plan": gpt_plan(_gpt(), sequence_parallel=False)}
+            rank, world_size, _gpt, {"tp": 2, "tp_plan": STACK.tp_plan(_gpt(), sequence_parallel=False)}
         ),
         "user_tp2": _prepared_run(
             rank, world_size, TinyTransformer.make, {"tp": 2, "tp_plan": TinyTransformer.plan()}

@@ -98,3 +98,9 @@ def test_a_heartbeat_left_running_never_aborts_the_exit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     assert sorted(proc.stdout.split()) == sorted("rank 0 done rank 1 done".split())
+
+
+def test_the_runtime_stops_every_heartbeat_before_the_group_goes():
+    from ddpkit.distributed import runtime
+
+    assert stop_heartbeat in runtime.BEFORE_SHUTDOWN  # registered by the module that starts heartbeats

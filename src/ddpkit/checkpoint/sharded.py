@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import dcp_io
-from ddpkit.parallel import state_dict as sd_mod
-from ddpkit.parallel.state_dict import GROUPS, PARAMS, STATE
+from ddpkit.checkpoint import state_dict as sd_mod
+from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE
 
 FORMAT = "ddpkit.sharded/1"
 SIDE = "state.pt"

@@ -1,12 +1,13 @@
 """The launcher-detector table: which launcher started this process, and who the process is under it.
 
 One `LauncherDetector` per launcher that starts a process per rank (torchrun, Slurm srun, Open MPI, MPICH/PMI,
-LSF jsrun, PBS pbsdsh), asked in order; a package adds one with `register_launcher` or an entry point in the
+LSF jsrun, PBS pbsdsh), asked in order (ddpkit.registry); a package adds one with `register_launcher` or an entry point in the
 `ddpkit.launchers` group. Nothing here touches torch.distributed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -28,8 +29,8 @@ from ddpkit.cluster.slurm_env import (
     slurm_port,
     tasks_per_node,
 )
-from ddpkit.entrypoints import entry_object
 from ddpkit.errors import UserError
+from ddpkit.registry import Registry
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
@@ -120,25 +121,27 @@ class LauncherDetector:
 
     `detects(env)`: true when its variables are there; `read(env) -> DistEnv`; `world_var`: the variable it sets
     to the job's size in every process of a job of several (how a helper called without a process group knows
-    that it should have one). Asked in registry order: the first that detects wins.
+    that it should have one). Asked in `order` (lower first): the first that detects wins. The built-ins are
+    100 (torchrun) to 600 (pbs), a hundred apart; one without an order comes after them all, and one of order
+    350 is asked before `pmi` (400), e.g. a scheduler that also sets PMI_RANK.
     """
 
     name: str
     detects: Callable[[Mapping[str, str]], bool]
     read: Callable[[Mapping[str, str]], DistEnv]
     world_var: str | None = None
+    order: int | None = None  # None: after every built-in launcher
 
 
-_DETECTORS: dict[str, LauncherDetector] = {}
 DETECTOR_ENTRY_POINT_GROUP = "ddpkit.launchers"
+DETECTORS: Registry[LauncherDetector] = Registry(
+    "launcher", DETECTOR_ENTRY_POINT_GROUP, LauncherDetector, "ddpkit.cluster.launchers.LauncherDetector"
+)
 
 
 def register_launcher(detector: LauncherDetector, *, replace: bool = False) -> LauncherDetector:
-    """Add a launcher to the detection table (after the built-in ones); refuses a second of the same name."""
-    if detector.name in _DETECTORS and not replace and _DETECTORS[detector.name] is not detector:
-        raise ValueError(f"launcher '{detector.name}' is already registered")
-    _DETECTORS[detector.name] = detector
-    return detector
+    """Add a launcher to the detection table, at its `order`; refuses a second of the same name."""
+    return DETECTORS.register(detector, replace=replace)
 
 
 def _openmpi(env: Mapping[str, str]) -> DistEnv:
@@ -222,27 +225,13 @@ for _detector in (
         "lsf", lambda e: "JSM_NAMESPACE_RANK" in e or "JSM_NAMESPACE_SIZE" in e, _lsf, "JSM_NAMESPACE_SIZE"
     ),
     LauncherDetector("pbs", lambda e: "PBS_VNODENUM" in e and "PBS_NODEFILE" in e, _pbs, None),
-):
-    register_launcher(_detector)
-
-
-def _entry_point_detectors() -> None:
-    """Launchers that installed packages declare (entry point group ddpkit.launchers), loaded once."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=DETECTOR_ENTRY_POINT_GROUP):
-        if ep.name in _DETECTORS:
-            continue
-        detector = entry_object(
-            ep, LauncherDetector, f"launcher '{ep.name}'", "ddpkit.cluster.launchers.LauncherDetector"
-        )
-        register_launcher(detector)
+):  # orders 100, 200, ...: a hundred apart, so a package's launcher can come between two of them
+    register_launcher(dataclasses.replace(_detector, order=100 * (len(DETECTORS) + 1)))
 
 
 def launchers() -> list[LauncherDetector]:
-    """The detection table: built-in launchers first, then registered ones and those of entry points."""
-    _entry_point_detectors()
-    return list(_DETECTORS.values())
+    """The detection table in order: built-in launchers, registered ones and those of installed packages."""
+    return DETECTORS.entries()
 
 
 def world_variables() -> tuple[str, ...]:

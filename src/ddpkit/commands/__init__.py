@@ -7,10 +7,21 @@ A command's module (named by `entry`) may also define `add_flags(parser)` (its o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
+
+from ddpkit.errors import UserError
+from ddpkit.registry import Registry
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that reports mistakes as a UserError (one line, exit 2) instead of usage + exit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,7 @@ class Command:
         return getattr(self.module, self.entry.split(":")[1])
 
 
-COMMANDS: dict[str, Command] = {
+_BUILT_IN: dict[str, Command] = {
     c.name: c
     for c in (
         Command(
@@ -120,39 +131,21 @@ COMMANDS: dict[str, Command] = {
 }
 
 ENTRY_POINT_GROUP = "ddpkit.commands"
+COMMANDS: Registry[Command] = Registry("command", ENTRY_POINT_GROUP, Command, "ddpkit.commands.Command")
+for _command in _BUILT_IN.values():
+    COMMANDS.register(_command)
 
 
 def register_command(command: Command, *, replace: bool = False) -> Command:
     """Make `ddpkit NAME` run `command`. Refuses a second command of the same name unless replace=True."""
-    same = COMMANDS.get(command.name)
-    if same is not None and not replace and same is not command:
-        raise ValueError(f"command '{command.name}' is already registered")
-    COMMANDS[command.name] = command
-    return command
-
-
-def _entry_points(name: str | None = None) -> list[Command]:
-    """The commands installed packages declare (entry point group ddpkit.commands; `name`: only that one)."""
-    from importlib.metadata import entry_points
-
-    from ddpkit.entrypoints import entry_object
-
-    found = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if name is None or ep.name == name:
-            command = entry_object(ep, Command, f"command '{ep.name}'", "ddpkit.commands.Command")
-            found.append(register_command(command, replace=True))
-    return found
+    return COMMANDS.register(command, replace=replace)
 
 
 def get_command(name: str) -> Command | None:
     """The command `ddpkit NAME` runs (the built-ins first; an installed package's asked only then), or None."""
-    if name in COMMANDS:
-        return COMMANDS[name]
-    return next(iter(_entry_points(name)), None)
+    return COMMANDS.find(name)
 
 
 def all_commands() -> dict[str, Command]:
     """Every command: the built-ins and those installed packages declare (for `ddpkit --help` and hints)."""
-    _entry_points()
-    return dict(COMMANDS)
+    return {c.name: c for c in COMMANDS.entries()}

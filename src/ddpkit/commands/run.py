@@ -30,10 +30,10 @@ USAGE = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ddpkit.cli import _Parser
+    from ddpkit.commands import CommandParser
     from ddpkit.launcher.spec import add_launch_flags
 
-    p = _Parser(
+    p = CommandParser(
         prog="ddpkit run",
         usage=USAGE,
         description="Run your own training script as torchrun would, under any launcher; it gets RANK, "

@@ -5,6 +5,7 @@ spawned processes cannot import (a lambda, a closure)."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,17 @@ def check_importable(fn: Callable[..., Any]) -> None:
         )
 
 
-def _describe(code: int | None) -> str:
-    from ddpkit.launcher.launch import describe_exit
+def describe_exit(code: int) -> str:
+    """`exit code 3` or `killed by SIGKILL` for a process's exit status (negative: the signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
+
+def _describe(code: int | None) -> str:
     return describe_exit(code or 0)
 
 

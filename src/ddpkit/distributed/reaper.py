@@ -13,9 +13,16 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpkit.launcher.signals import _children
-
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux's /proc), of every thread of it."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
 
 
 def _subreaper(on: bool) -> None:
@@ -25,7 +32,7 @@ def _subreaper(on: bool) -> None:
 
 def _descendants(pid: int) -> list[int]:
     out: list[int] = []
-    for kid in _children(pid):
+    for kid in children(pid):
         try:
             cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
         except OSError:

@@ -7,6 +7,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,6 @@ from ddpkit.cluster.netif import use_interface
 from ddpkit.distributed import rendezvous
 from ddpkit.distributed.collectives import group_ended
 from ddpkit.errors import UserError, first_line
-from ddpkit.train.health import stop_heartbeat
 
 
 @dataclass(frozen=True)
@@ -238,10 +238,16 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta):
 _RDZV: tuple | None = None  # (store, env) of a by-hand rendezvous, to leave after the group is destroyed
 
 
+# what must stop before the process group goes away (a heartbeat's thread uses the group's store): each module
+# that starts such a thing adds its stop here when it is imported
+BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
 def shutdown() -> None:
     """Destroy the process group if we made one; safe to call twice."""
     global _CONTEXT, _RDZV
-    stop_heartbeat()  # its thread uses the group's store
+    for stop in BEFORE_SHUTDOWN:
+        stop()
     if dist.is_available() and dist.is_initialized():
         group_ended(dist.get_rank(), dist.get_world_size())
         try:
@@ -270,9 +276,7 @@ def _drain_at_exit() -> None:
     finalization starts and with the GIL free, lets the thread finish first. A worker forked from the fork
     server ends with os._exit, without finalization: it need not wait.
     """
-    from ddpkit.launcher import warm_start
-
-    if not warm_start.ends_without_finalization():
+    if not channels.FLAGS.forked_worker:  # a worker forked by the warm-start server ends with os._exit
         time.sleep(EXIT_DRAIN_S)
 
 

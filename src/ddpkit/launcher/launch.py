@@ -22,6 +22,7 @@ from ddpkit import channels
 from ddpkit._moved import names
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import reaper
+from ddpkit.distributed.blame import describe_exit
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 from ddpkit.launcher import signals
 from ddpkit.launcher.spec import (  # noqa: F401  (importable from here, where they were first)
@@ -67,16 +68,6 @@ def set_thread_env(nproc: int) -> None:
     """As torchrun does: several CPU workers on one node must not each start a thread per core."""
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-
-
-def describe_exit(code: int) -> str:
-    """`exit code 3` or `killed by SIGKILL` for a process's exit status (negative: the signal)."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) -> frozenset[int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddpkit import channels
+from ddpkit.distributed.reaper import children as _children
 
 PARENT_VAR = channels.LAUNCHER_PID  # set by the launcher for its workers; each worker takes it out
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -79,14 +80,6 @@ def die_with_launcher() -> None:
     pid = os.environ.pop(PARENT_VAR, None)
     if pid is not None and pid.isdigit():
         die_with_parent(int(pid))
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            kids += [int(c) for c in (task / "children").read_text().split()]
-    return kids
 
 
 def worker_pids(launcher: int | None = None) -> list[int]:

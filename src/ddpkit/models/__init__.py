@@ -1,6 +1,6 @@
 """Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py,
 torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data, building the
-model with its pretrained weights (weights.py), device preparation.
+model with its pretrained weights (weights.py).
 
 torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
 """
@@ -11,11 +11,9 @@ import difflib
 import os
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ddpkit.config import Config
-from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 from ddpkit.models import gpt, llama, small, timm_models, torchvision_models
 from ddpkit.models.family import ModelFamily
@@ -30,7 +28,7 @@ from ddpkit.models.weights import (
     read_weights,
     strip_prefixes,
 )
-from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
+from ddpkit.registry import Registry
 
 __all__ = [
     "BUILTIN",
@@ -43,9 +41,9 @@ __all__ = [
     "build_mlp",
     "build_model",
     "check_arch",
+    "family_of_module",
     "load_matching",
     "model_family",
-    "prepare_model",
     "read_weights",
     "register_model",
     "strip_prefixes",
@@ -54,41 +52,31 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "ddpkit.models"
 
-# Adding a model family is one entry (register_model); they are asked in this order (the cheap ones first).
-MODEL_FAMILIES: list[ModelFamily] = [
-    small.FAMILY,
-    gpt.FAMILY,
-    llama.FAMILY,
-    timm_models.FAMILY,
-    torchvision_models.FAMILY,
-]
+# Adding a model family is one entry (register_model). They are asked in order: families of your own first
+# (newest first, so a family of your own can own any name), then the built-ins at their `order` (the cheap first).
+MODEL_FAMILIES: Registry[ModelFamily] = Registry(
+    "model", ENTRY_POINT_GROUP, ModelFamily, "ddpkit.models.ModelFamily", unordered=0, newest_first=True
+)
+for _family in (small.FAMILY, gpt.FAMILY, llama.FAMILY, timm_models.FAMILY, torchvision_models.FAMILY):
+    MODEL_FAMILIES.register(_family)
 
 
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
-    """Make the names `family` owns valid model.arch values; asked before the built-in families so a family of
-    your own can own any name. Refuses a second family of the same name unless replace=True."""
-    same = [f for f in MODEL_FAMILIES if f.name == family.name]
-    if same and not replace and same[0] is not family:
-        raise ValueError(f"model family '{family.name}' is already registered")
-    for f in same:
-        MODEL_FAMILIES.remove(f)
-    MODEL_FAMILIES.insert(0, family)
-    return family
-
-
-def _from_entry_points(arch: str) -> ModelFamily | None:
-    """The family an installed package declares for `arch` (entry point group ddpkit.models, named arch)."""
-    family = named_entry(ENTRY_POINT_GROUP, arch, ModelFamily, f"model '{arch}'", "ddpkit.models.ModelFamily")
-    return None if family is None else register_model(family, replace=True)
+    """Make the names `family` owns valid model.arch values; asked before the built-in families (unless it gives
+    an `order`). Refuses a second family of the same name unless replace=True."""
+    return MODEL_FAMILIES.register(family, replace=replace)
 
 
 def model_family(arch: str) -> ModelFamily:
     """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
-    owner = next((f for f in MODEL_FAMILIES if f.owns(arch)), None) or _from_entry_points(arch)
+    # the registered families, then the one an installed package declares under that name
+    owner = next((f for f in MODEL_FAMILIES.values() if f.owns(arch)), None)
+    if owner is None and arch not in MODEL_FAMILIES:
+        owner = MODEL_FAMILIES.find(arch)
     if owner is not None:
         owner.check(arch)
         return owner
-    names = [name for family in MODEL_FAMILIES for name in family.names()]
+    names = [name for family in MODEL_FAMILIES.values() for name in family.names()]
     close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
     hint = (
         f"did you mean '{close[0]}'?"
@@ -96,6 +84,11 @@ def model_family(arch: str) -> ModelFamily:
         else "use cnn, mlp, a torchvision classification model such as resnet18"
     )
     raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
+
+
+def family_of_module(model: nn.Module) -> ModelFamily | None:
+    """The registered family that builds models of `model`'s class (its `module_types`), or None."""
+    return next((f for f in MODEL_FAMILIES.values() if isinstance(model, f.module_types)), None)
 
 
 def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
@@ -228,18 +221,4 @@ def build_model(
         )
     elif pretrained:
         (report or log.info)(load_matching(model, read_weights(pretrained), pretrained))
-    return model
-
-
-def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
-    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
-    device = torch.device(device)
-    if cfg.model.sync_bn and distributed:
-        if device.type == "cpu":
-            model = convert_gloo_sync_batchnorm(model)
-        else:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
-    if cfg.model.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     return model

@@ -1,5 +1,8 @@
-"""What a model family is: the model.arch names it owns, a cheap check of a name, and the builder. Every family,
-built in or from a package, is one `ModelFamily` in the registry (ddpkit.models)."""
+"""What a model family is: the model.arch names it owns, a cheap check of a name, the builder, and its parallel
+facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes). Every
+family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models); parallel/ and train/
+ask the family and name no model. A stack-of-blocks model gets all of its parallel facts from one
+`ddpkit.models.blocks.BlockStack`."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from ddpkit.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -20,10 +25,41 @@ class ModelFamily:
     check: Callable[[str], None] = lambda arch: None  # UserError for a name it owns but cannot build
     names: Callable[[], list[str]] = list  # names to suggest for a mistyped arch
     torchvision_weights: bool = False  # model.pretrained=torchvision applies
+    order: int | None = None  # where it is asked (ddpkit.registry): None, before the built-ins (100 to 500)
     # a language model's family: (arch, vocab_size, block_size, cfg.model) -> model; `build` is then unused
     build_lm: Callable[[str, int, int, Any], nn.Module] | None = None
+    # the parallel layouts: a family without one of these is refused for that layout, before workers start
+    module_types: tuple[type, ...] = ()  # the classes it builds: ddpkit.prepare(model, tp=N) finds its plan
+    # (model or a pipeline stage of it, tp) -> torch's parallelize_module plan; a UserError when it cannot split
+    tp_plan: Callable[[nn.Module, int], dict[str, Any]] | None = None
+    tp_sizes: Callable[[Any], list[tuple[str, int]]] = (
+        lambda cfg: []
+    )  # (config key, value): multiples of dist.tp
+    # a pipeline cut by deleting parts: (model, stage, n_stages) -> the stage, in place, full names kept
+    pp_stage: Callable[[nn.Module, int, int], nn.Module] | None = None
+    # or cut by torch's tracer: (arch, n_stages) -> the modules where stages 1.. begin (a UserError when none)
+    pp_split: Callable[[str, int], list[str]] | None = None
+    pp_check: Callable[[Any, int], None] = lambda cfg, n_stages: (
+        None
+    )  # (cfg, n_stages): a UserError if no cut
+    checkpointed: Callable[[nn.Module], list[nn.Module]] | None = (
+        None  # the blocks activation checkpointing wraps
+    )
 
     @property
     def tokens(self) -> bool:
         """Trained on token sequences (data.dataset=text), not on labelled images."""
         return self.build_lm is not None
+
+    def check_pipeline(self, cfg: Any, n_stages: int) -> None:
+        """cfg's model cuts into `n_stages` pipeline stages (a UserError otherwise); builds nothing."""
+        if self.pp_stage is not None:
+            self.pp_check(cfg, n_stages)
+        elif self.pp_split is not None:
+            self.pp_split(cfg.model.arch, n_stages)
+        else:
+            raise UserError(
+                f"model.arch={cfg.model.arch} has no pipeline split",
+                "dist.pp>1 cuts a model whose family declares its split points: ModelFamily.pp_stage or "
+                "pp_split; for your own model use ddpkit.prepare(model, pp=..., pp_split=[module names])",
+            )

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.errors import UserError
+from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import ModelFamily
 
 
@@ -169,6 +170,21 @@ def _no_images(arch: str, num_classes: int, in_channels: int, image_size: int) -
     )
 
 
+# its parallel facts: Megatron-style tensor parallelism (q, k, v and the MLP's fc column-parallel, the attention's
+# output and the MLP's proj row-parallel), pipeline stages cut at its blocks, each block re-computed
+STACK = BlockStack(
+    column=("attn.wq", "attn.wk", "attn.wv", "mlp.fc"),
+    row=("attn.wo", "mlp.proj"),
+    first=("tok_emb", "pos_emb"),
+)
+
 FAMILY = ModelFamily(
-    "gpt", owns=lambda arch: arch == "gpt", build=_no_images, names=lambda: ["gpt"], build_lm=_build_gpt
+    "gpt",
+    owns=lambda arch: arch == "gpt",
+    build=_no_images,
+    names=lambda: ["gpt"],
+    build_lm=_build_gpt,
+    module_types=(GPT,),
+    **STACK.family_fields(),
+    order=200,
 )

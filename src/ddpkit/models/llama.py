@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import ModelFamily
 from ddpkit.models.gpt import _no_images
 
@@ -167,10 +168,21 @@ def _build_llama(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Modu
     )
 
 
+# its parallel facts: as the GPT's, the SwiGLU's gate and up column-parallel and its down row-parallel, the
+# key/value heads split over dist.tp too
+STACK = BlockStack(
+    column=("attn.wq", "attn.wk", "attn.wv", "mlp.gate", "mlp.up"),
+    row=("attn.wo", "mlp.down"),
+    tp_keys=("model.n_head", "model.n_embd", "data.block_size", "model.n_kv_head"),
+)
+
 FAMILY = ModelFamily(
     "llama",
     owns=lambda arch: arch == "llama",
     build=_no_images,
     names=lambda: ["llama"],
     build_lm=_build_llama,
+    module_types=(Llama,),
+    **STACK.family_fields(),
+    order=300,
 )

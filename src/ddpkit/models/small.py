@@ -63,4 +63,5 @@ FAMILY = ModelFamily(
     owns=lambda arch: arch in BUILTIN,
     build=lambda arch, n, c, size: BUILTIN[arch](n, c, size),
     names=lambda: list(BUILTIN),
+    order=100,
 )

@@ -41,5 +41,9 @@ def _build_timm(arch: str, num_classes: int, in_channels: int, image_size: int) 
 
 
 FAMILY = ModelFamily(
-    "timm", owns=lambda arch: arch.startswith(TIMM_PREFIX), build=_build_timm, check=_check_timm
+    "timm",
+    owns=lambda arch: arch.startswith(TIMM_PREFIX),
+    build=_build_timm,
+    check=_check_timm,
+    order=400,
 )

@@ -57,10 +57,30 @@ def pretrained_weights(arch: str) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def resnet_splits(arch: str, n_stages: int) -> list[str]:
+    """Where a ResNet's pipeline stages begin: its residual stages layer2..layer4, evenly chosen (torch's tracer
+    cuts it there); the other torchvision models have no split."""
+    if not arch.startswith("resnet"):
+        raise UserError(
+            f"model.arch={arch} has no pipeline split",
+            "dist.pp>1 cuts a torchvision ResNet at its residual stages; for your own model use "
+            "ddpkit.prepare(model, pp=..., pp_split=[module names])",
+        )
+    points = {2: ["layer3"], 3: ["layer2", "layer4"], 4: ["layer2", "layer3", "layer4"]}
+    if n_stages not in points:
+        raise UserError(
+            f"a ResNet is cut at its residual stages into 2, 3 or 4 pipeline stages, not {n_stages}",
+            "use dist.pp=2 (or 3, 4 with dist.pp_schedule=gpipe or 1f1b)",
+        )
+    return points[n_stages]
+
+
 FAMILY = ModelFamily(
     "torchvision",
     owns=lambda arch: arch in torchvision_names(),
     build=_build_torchvision,
     names=torchvision_names,
     torchvision_weights=True,
+    pp_split=resnet_splits,
+    order=500,
 )

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.entrypoints import named_entry
+from ddpkit import _moved
 from ddpkit.errors import UserError
+from ddpkit.registry import Registry
 
 ENTRY_POINT_GROUP = "ddpkit.compression"
 
@@ -53,15 +54,17 @@ def _bf16(ddp: Any, options: Any) -> None:
     ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
-_REGISTRY: dict[str, CompressionMethod] = {}
+_REGISTRY: Registry[CompressionMethod] = Registry(
+    "compression method",
+    ENTRY_POINT_GROUP,
+    CompressionMethod,
+    "ddpkit.parallel.compression.CompressionMethod",
+)
 
 
 def register_compression(method: CompressionMethod, *, replace: bool = False) -> CompressionMethod:
     """Make `method.name` a valid dist.grad_compression; refuses to shadow a name unless replace=True."""
-    if method.name in _REGISTRY and not replace and _REGISTRY[method.name] is not method:
-        raise ValueError(f"compression method '{method.name}' is already registered")
-    _REGISTRY[method.name] = method
-    return method
+    return _REGISTRY.register(method, replace=replace)
 
 
 register_compression(CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None))
@@ -76,12 +79,6 @@ def _load_builtin() -> None:
         register_compression(powersgd.METHOD)
 
 
-def _from_entry_points(name: str) -> CompressionMethod | None:
-    what, spelled = f"compression method '{name}'", "ddpkit.parallel.compression.CompressionMethod"
-    method = named_entry(ENTRY_POINT_GROUP, name, CompressionMethod, what, spelled)
-    return None if method is None else register_compression(method, replace=True)
-
-
 def compression_names() -> list[str]:
     """The registered names; powersgd's module (it imports torch) is loaded only when it is used."""
     return list(dict.fromkeys([*_REGISTRY, "powersgd"]))
@@ -91,7 +88,7 @@ def get_compression(name: str) -> CompressionMethod:
     """The method for dist.grad_compression `name`; a UserError naming the valid ones when there is none."""
     if name == "powersgd":
         _load_builtin()
-    method = _REGISTRY.get(name) or _from_entry_points(name)
+    method = _REGISTRY.find(name)
     if method is None:
         import difflib
 
@@ -135,3 +132,7 @@ class Compression:
         if not saved:
             return None, None
         return self.method.restore(saved, rank, world_size)
+
+
+# PowerSGD's hook, importable from here (and from the old ddpkit.distributed.compression) as before
+__getattr__ = _moved.names(__name__, {"PowerSGDHook": "ddpkit.parallel.powersgd"})

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpkit import _moved
 from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
 
@@ -215,16 +216,16 @@ class Strategy:
         return note
 
     def model_state(self, wrapped: nn.Module) -> dict:
-        """The full model state under the user's module names, whatever the layout (parallel/state_dict.py): on
+        """The full model state under the user's module names, whatever the layout (checkpoint/state_dict.py): on
         rank 0, and on every rank when nothing had to be gathered (elsewhere empty). Collective."""
-        from ddpkit.parallel import state_dict
+        from ddpkit.checkpoint import state_dict
 
         return state_dict.model_state(self.unwrap(wrapped))
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
         """The full optimizer state keyed by parameter name on rank 0 (None elsewhere when it had to be
         gathered). Collective."""
-        from ddpkit.parallel import state_dict
+        from ddpkit.checkpoint import state_dict
 
         return state_dict.optimizer_state(self.unwrap(wrapped), optimizer)
 
@@ -236,7 +237,7 @@ class Strategy:
         optim_sd: dict | None,
     ) -> None:
         """A full state written under any layout into this one. Collective."""
-        from ddpkit.parallel import state_dict
+        from ddpkit.checkpoint import state_dict
 
         state_dict.load_state(self.unwrap(wrapped), optimizer, model_sd, optim_sd)
 
@@ -304,3 +305,15 @@ def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
         if entry.recognizes is not None and entry.recognizes(model, optimizer):
             return entry.cls(ctx)
     return Strategy(ctx)
+
+
+# the built-in strategies' classes, importable from here (and from the old ddpkit.distributed.strategy) as before
+__getattr__ = _moved.names(
+    __name__,
+    {
+        "DDPStrategy": "ddpkit.parallel.strategies.ddp",
+        "DataParallelStrategy": "ddpkit.parallel.strategies.dp",
+        "FSDPStrategy": "ddpkit.parallel.strategies.fsdp",
+        "Zero1Strategy": "ddpkit.parallel.strategies.zero1",
+    },
+)

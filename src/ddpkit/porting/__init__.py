@@ -19,11 +19,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit.data.loaders import DistributedLoader, convert_loader
-from ddpkit.data.roles import prepare_loader, remember_model, roles_for
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
 from ddpkit.parallel.optimizer import rebuild_optimizer
 from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
+from ddpkit.porting.roles import prepare_loader, remember_model, roles_for
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -154,7 +154,7 @@ def prepare(
     `strategy` (auto: ddp with several processes, as is with one; single, ddp, zero1, fsdp). Optimizer: kept
     (re-made over the sharded parameters for zero1/fsdp). DataLoader: re-made as a distributed loader keeping its
     other arguments (shuffled -> training, unshuffled -> exact evaluation, unless `roles` names each loader's:
-    "train" or "eval"; data/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
+    "train" or "eval"; porting/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
     anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
     process group if nobody did.
 

@@ -19,6 +19,7 @@ from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
 from ddpkit.parallel.mesh import Layout, build_mesh, check_config
 from ddpkit.parallel.strategy import Strategy
+from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,7 +62,21 @@ def make_model(
         from ddpkit.models.loading import init_from
 
         init_from(model, cfg.model.init_from, report)
-    return models.prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+    return prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+
+
+def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
+    """SyncBatchNorm when cfg.model.sync_bn and distributed, then move to `device`, then channels_last if asked."""
+    device = torch.device(device)
+    if cfg.model.sync_bn and distributed:
+        if device.type == "cpu":
+            model = convert_gloo_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
@@ -77,14 +92,15 @@ def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
 
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
+    family = models.model_family(cfg.model.arch)
     if cfg.model.activation_checkpointing == "full":
         from ddpkit.parallel.mesh.activation import checkpoint_blocks
 
-        checkpoint_blocks(model)
+        checkpoint_blocks(family.checkpointed(model))
     if mesh is not None and mesh["tp"].size() > 1:
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], family=family)
     return model
 
 

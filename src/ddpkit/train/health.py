@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
+from ddpkit.distributed import runtime
+
 KEY = "ddpkit/hb/{rank}"
 # Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
 COMM_FAILURE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "store")
@@ -147,6 +149,9 @@ def stop_heartbeat() -> None:
     """Stop every heartbeat this process still runs (the runtime calls it before the process group goes away)."""
     for heartbeat in list(_LIVE):
         heartbeat.close()
+
+
+runtime.BEFORE_SHUTDOWN.append(stop_heartbeat)
 
 
 @contextlib.contextmanager

@@ -12,9 +12,9 @@ from ddpkit.errors import UserError
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-    from ddpkit.cli import _Parser
+    from ddpkit.commands import CommandParser
 
-    p = _Parser(prog="ddpkit export", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="ddpkit export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a .pt / .dcp checkpoint or a run's out_dir")
     p.add_argument("--to", required=True, choices=["hf"], help="the format to write: hf (Hugging Face)")
     p.add_argument("out", metavar="OUT_DIR", help="the folder to write (new, or empty)")

@@ -65,9 +65,9 @@ def sample(
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-    from ddpkit.cli import _Parser
+    from ddpkit.commands import CommandParser
 
-    p = _Parser(prog="ddpkit generate", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="ddpkit generate", description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run's out_dir, or a .pt / .dcp checkpoint")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=_positive, default=100, help="tokens to add (default 100)")

@@ -84,7 +84,6 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 AUTO_OVER_TP = "zero2"  # dist.strategy=auto over the dp dim of a tensor-parallel model
 AUTO_OFFLOAD = "fsdp"  # dist.strategy=auto with dist.offload=cpu
-CHECKPOINTED_ARCHS = ("gpt", "llama")  # model families whose blocks activation checkpointing re-computes
 
 
 def _names(flag: str) -> str:
@@ -132,18 +131,20 @@ def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
 
 
 def check_model(cfg: Any, layout: Layout) -> None:
-    """The model can be split as asked: heads, width and context divisible by tp; checkpointing applies."""
+    """The model's family can split it as asked: it declares a tensor-parallel plan (its sizes divisible by tp)
+    and the blocks activation checkpointing re-computes."""
+    from ddpkit.models import model_family  # imported here: this module imports no torch
+
     m, tp = cfg.model, layout.tp
-    if tp > 1 and m.arch not in CHECKPOINTED_ARCHS:  # the same families have a tensor-parallel plan
+    family = model_family(m.arch)
+    if tp > 1 and family.tp_plan is None:
         raise UserError(
             f"dist.tp={tp} needs a model with a tensor-parallel plan; model.arch={m.arch} has none",
-            "use model.arch=gpt or llama, or ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
+            "pick a model.arch whose family declares one (ModelFamily.tp_plan), or "
+            "ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
         )
-    sizes = [("model.n_head", m.n_head), ("model.n_embd", m.n_embd), ("data.block_size", cfg.data.block_size)]
-    if m.arch == "llama" and m.n_kv_head is not None:
-        sizes.append(("model.n_kv_head", m.n_kv_head))
-    for key, value in sizes:
-        if tp > 1 and value % tp:
+    for key, value in family.tp_sizes(cfg) if tp > 1 else ():
+        if value % tp:
             raise UserError(
                 f"{key}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
                 f"use a {key} that is a multiple of {tp}, or another dist.tp",
@@ -153,11 +154,12 @@ def check_model(cfg: Any, layout: Layout) -> None:
             f"model.tie_embeddings=true is not supported with dist.tp={tp} dist.pp={layout.pp}",
             "set model.tie_embeddings=false, or train without tensor and pipeline parallelism",
         )
-    if m.activation_checkpointing != "none" and m.arch not in CHECKPOINTED_ARCHS:
+    if m.activation_checkpointing != "none" and family.checkpointed is None:
         raise UserError(
-            f"model.activation_checkpointing={m.activation_checkpointing} re-computes transformer blocks; "
+            f"model.activation_checkpointing={m.activation_checkpointing} re-computes a model's blocks; "
             f"model.arch={m.arch} has none",
-            "use model.arch=gpt, or model.activation_checkpointing=none",
+            "pick a model.arch whose family declares them (ModelFamily.checkpointed), or "
+            "model.activation_checkpointing=none",
         )
 
 

@@ -8,24 +8,18 @@ model, and tensor parallel and FSDP2, which hook the module's call, compose with
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch.nn as nn
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap the forward of each block of `model.blocks` (a ModuleDict or ModuleList); returns how many."""
+def checkpoint_blocks(blocks: Iterable[nn.Module]) -> int:
+    """Wrap the forward of each of `blocks` (what the model's family names: ModelFamily.checkpointed); returns
+    how many."""
     from torch.utils.checkpoint import checkpoint
 
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleDict | nn.ModuleList):
-        from ddpkit.errors import UserError
-
-        raise UserError(
-            f"model.activation_checkpointing=full re-computes transformer blocks; a {type(model).__name__} "
-            "has no `blocks`",
-            "use model.arch=gpt, or model.activation_checkpointing=none",
-        )
-    modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else list(blocks)
-    for block in modules:
+    n = 0
+    for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    return len(modules)
+        n += 1
+    return n

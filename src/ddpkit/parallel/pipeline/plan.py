@@ -39,28 +39,6 @@ def check_microbatches(micro: int, pp: int, key: str, pp_key: str) -> None:
         )
 
 
-def block_ranges(n_layer: int, n_stages: int) -> list[range]:
-    """The transformer blocks of each stage: n_layer / n_stages consecutive blocks each."""
-    if n_layer % n_stages:
-        raise UserError(
-            f"model.n_layer={n_layer} blocks cannot be cut into {n_stages} equal pipeline stages",
-            f"use a model.n_layer that is a multiple of {n_stages}",
-        )
-    per = n_layer // n_stages
-    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
-
-
-def resnet_splits(n_stages: int) -> list[str]:
-    """Where a torchvision ResNet's stages begin: its residual stages layer2..layer4, evenly chosen."""
-    points = {2: ["layer3"], 3: ["layer2", "layer4"], 4: ["layer2", "layer3", "layer4"]}
-    if n_stages not in points:
-        raise UserError(
-            f"a ResNet is cut at its residual stages into 2, 3 or 4 pipeline stages, not {n_stages}",
-            "use dist.pp=2 (or 3, 4 with dist.pp_schedule=gpipe or 1f1b)",
-        )
-    return points[n_stages]
-
-
 def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
     """Refuse, with one line, a pipeline setting that cannot work (called before workers start; the world size
     is checked when it is known)."""
@@ -136,14 +114,7 @@ def _check_microbatching(cfg: Any) -> None:
 
 
 def _check_split(cfg: Any, n_stages: int) -> None:
-    """The model has a built-in cut into `n_stages` stages."""
-    if cfg.model.arch == "gpt":
-        block_ranges(cfg.model.n_layer, n_stages)
-    elif cfg.model.arch.startswith("resnet"):
-        resnet_splits(n_stages)
-    else:
-        raise UserError(
-            f"model.arch={cfg.model.arch} has no pipeline split",
-            "dist.pp>1 cuts gpt (at its blocks) and resnet* (at its stages); for your own model use "
-            "ddpkit.prepare(model, pp=..., pp_split=[module names])",
-        )
+    """The model's family declares a cut into `n_stages` stages."""
+    from ddpkit.models import model_family  # imported here: this module imports no torch
+
+    model_family(cfg.model.arch).check_pipeline(cfg, n_stages)

@@ -1,8 +1,9 @@
 """Cutting a model into pipeline stages; every stage keeps the full model's parameter names.
 
-- ddpkit's GPT: each stage is the same class with the blocks and parts it does not run deleted (gpt.forward
-  skips parts set to None), so checkpoints of any layout use one set of keys.
-- a torchvision ResNet and a user's model: torch.distributed.pipelining's tracer cuts the forward where the
+- a model family that cuts itself (`ModelFamily.pp_stage`, e.g. a stack of blocks: models/blocks.py): each
+  stage is the same class with the blocks and parts it does not run deleted, so checkpoints of any layout use one
+  set of keys.
+- a family that names its split points (`ModelFamily.pp_split`) and a user's model: torch.distributed.pipelining's tracer cuts the forward where the
   named modules begin (`pp_split`); the traced stages hold the original parameters under their full names.
 """
 
@@ -16,22 +17,6 @@ import torch
 import torch.nn as nn
 
 from ddpkit.errors import UserError, first_line
-from ddpkit.models.gpt import GPT
-from ddpkit.parallel.pipeline.plan import block_ranges
-
-
-def gpt_stage(model: GPT, stage: int, n_stages: int, copy_model: bool = False) -> GPT:
-    """`model` cut down to pipeline stage `stage` of `n_stages` (in place unless copy_model)."""
-    keep = block_ranges(model.n_layer, n_stages)[stage]
-    part = copy.deepcopy(model) if copy_model else model
-    for name in list(part.blocks.keys()):
-        if int(name) not in keep:
-            del part.blocks[name]
-    if stage > 0:
-        part.tok_emb = part.pos_emb = None
-    if stage < n_stages - 1:
-        part.ln_f = part.head = None
-    return part
 
 
 def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key: str = "pp_split") -> None:

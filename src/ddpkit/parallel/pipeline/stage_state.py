@@ -1,7 +1,7 @@
 """Full-model state of pipeline stages: each rank holds one or more stages (modules that keep the full model's
 names for the parts they own; their parameters may be DTensors under tensor parallel), one optimizer over them.
 
-The same formats as parallel/state_dict.py (full tensors under full-model names; the optimizer state keyed by
+The same formats as checkpoint/state_dict.py (full tensors under full-model names; the optimizer state keyed by
 name, param_groups listing names) and as sharded.py (DCP tensors `model.NAME`, `optim.NAME.KEY`), so a pipeline
 checkpoint loads into any other layout and the other way round. Every function is collective.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.parallel.state_dict import GROUPS, PARAMS, STATE, _merged_on_rank0, _union, _union_optim
+from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE, _merged_on_rank0, _union, _union_optim
 
 
 def _full(value: Any) -> Any:

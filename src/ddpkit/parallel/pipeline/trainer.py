@@ -9,17 +9,19 @@ optimizer state keyed by those names (parallel/pipeline/stage_state.py), so they
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ddpkit.models import model_family
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline import stage_state
-from ddpkit.parallel.pipeline.plan import n_microbatches, resnet_splits, stage_ids
+from ddpkit.parallel.pipeline.plan import n_microbatches, stage_ids
 from ddpkit.parallel.pipeline.runner import PipelineRunner
-from ddpkit.parallel.pipeline.split import gpt_stage, traced_stages
+from ddpkit.parallel.pipeline.split import traced_stages
 from ddpkit.parallel.strategy import Strategy as BaseStrategy
 
 
@@ -57,16 +59,20 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = eval_stages = None
     shared: list = []
-    if cfg.model.arch == "gpt":
-        stages = [gpt_stage(model, s, n_stages, copy_model=len(ids) > 1) for s in ids]
-    else:  # a ResNet: traced on one micro-batch of images, so every batch through it has that size
+    family = model_family(cfg.model.arch)
+    if family.pp_stage is not None:  # the family cuts itself (a rank running several stages cuts copies)
+        stages = [family.pp_stage(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages) for s in ids]
+    else:  # traced at its split points on one micro-batch of images, so every batch through it has that size
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
-        stages, eval_stages, shared = traced_stages(model, resnet_splits(n_stages), example, ids)
-    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the GPT plan (the parts it holds)
+        splits = family.pp_split(cfg.model.arch, n_stages)
+        stages, eval_stages, shared = traced_stages(model, splits, example, ids)
+    if (
+        layout.tp > 1
+    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
-        stages = [apply_tensor_parallel(s, mesh["tp"]) for s in stages]
+        stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
     runner = PipelineRunner(
         stages,
         schedule=d.pp_schedule,

@@ -66,7 +66,7 @@ class FSDPStrategy(Strategy):
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
-    and inside a container (ModuleDict / ModuleList: the GPT's blocks, never called as a whole) each element. Units
+    and inside a container (ModuleDict / ModuleList: a model's blocks, never called as a whole) each element. Units
     that share a parameter (a head tied to the token embedding) are left to the root's group, which holds a shared
     parameter once for all the modules that use it."""
     import collections
