@@ -2,10 +2,11 @@
 optimizer step (the first metrics line's *_bytes_per_rank), for every layout on the built-in transformer.
 
 Each layout is one `ddpkit train` of one optimizer step: model.arch=gpt (2 blocks, width 64, 4 heads, context
-32), AdamW, a small text file; 2 processes (4 for dp2 x tp2), gloo on CPU.
+32), AdamW, a small text file; 2 processes (4 for dp2 x tp2 and HSDP 2 x 2, 8 for the 3-D layouts), gloo on CPU.
 
     python benchmarks/memory_per_rank.py                  # the markdown table
     python benchmarks/memory_per_rank.py --json mem.json
+    python benchmarks/memory_per_rank.py --only hsdp2x2 fsdp-dp2xtp2xpp2   # some layouts (single always first)
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ LAYOUTS = {  # name: (processes, settings)
     "tp2": (2, ["dist.tp=2"]),
     "pp2": (2, ["dist.pp=2"]),
     "dp2xtp2": (4, ["dist.tp=2"]),
+    "hsdp2x2": (4, ["dist.strategy=hsdp", "dist.dp_shard=2"]),
+    "ddp-dp2xpp2": (4, ["dist.pp=2"]),
+    "fsdp-dp2xpp2": (4, ["dist.pp=2", "dist.strategy=fsdp"]),
+    "fsdp-dp2xtp2xpp2": (8, ["dist.tp=2", "dist.pp=2", "dist.strategy=fsdp"]),
+    "zero2-dp2xtp2xpp2": (8, ["dist.tp=2", "dist.pp=2", "dist.strategy=zero2"]),
 }
 FIELDS = ("param_bytes_per_rank", "grad_bytes_per_rank", "optim_bytes_per_rank")
 
@@ -68,11 +74,13 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--only", nargs="+", choices=list(LAYOUTS), help="these layouts (after single)")
     args = parser.parse_args()
+    names = ["single", *[n for n in args.only if n != "single"]] if args.only else list(LAYOUTS)
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "corpus.txt"
-        text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)))
-        rows = [measure(name, n, s, Path(tmp), text) for name, (n, s) in LAYOUTS.items()]
+        text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(800)))
+        rows = [measure(name, *LAYOUTS[name], Path(tmp), text) for name in names]
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

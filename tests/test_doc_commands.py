@@ -175,6 +175,14 @@ COVERED = {
     "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
+    # docs/parallelism.md's HSDP and 3-D lines, on the tiny transformer, compared with one process
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=hsdp dist.dp_shard=2 --nproc-per-node 4": (
+        "tests/parallel/test_3d.py::test_hsdp_2x2_and_zero2_over_a_pipeline_with_accumulation_equal_one_process"
+    ),
+    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
+        "tests/parallel/test_3d.py::"
+        "test_fsdp_over_tp2_pp2_with_accumulation_writes_a_sharded_checkpoint_that_one_process_continues"
+    ),
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.

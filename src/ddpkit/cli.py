@@ -106,7 +106,7 @@ def preflight(command: Command, cfg, env) -> None:
     from ddpkit.parallel.mesh import check_config, layout_of
 
     if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
-        check_config(cfg, env.world_size)
+        check_config(cfg, env.world_size, env.local_world_size)
     else:
         layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
     check = getattr(command.module, "preflight", None)

@@ -7,9 +7,10 @@ from ddpkit.distributed.collectives import gather_object_to
 from ddpkit.distributed.runtime import DistContext, hostname
 
 
-def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1) -> str:
+def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None = None) -> str:
     """This rank's line: who it is, where it runs, the interface and address its process group uses, and its
-    coordinates in the dist.tp x dist.pp layout (dp= tp= pp=)."""
+    coordinates in the dist.tp x dist.pp layout (dp= tp= pp=, and dp_replicate= dp_shard= of the dp dim split
+    into HSDP's sharding groups of `dp_shard` ranks; None: one group)."""
     from ddpkit.parallel.mesh import layout_of
 
     e = ctx.env
@@ -17,12 +18,18 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1) -> str:
     return (
         f"rank={e.rank} local_rank={e.local_rank} world_size={e.world_size} host={hostname()} "
         f"backend={ctx.backend} device={ctx.device} node_rank={e.node_rank} launcher={e.launcher} "
-        f"master={master} {netif.current().describe()} {layout_of(e.world_size, tp, pp).describe(e.rank)}"
+        f"master={master} {netif.current().describe()} {layout_of(e.world_size, tp, pp, dp_shard).describe(e.rank)}"
     )
 
 
 def info_command(cfg, args, ctx: DistContext) -> int:
-    lines = gather_object_to(rank_line(ctx, cfg.dist.tp, cfg.dist.pp))
+    from ddpkit.parallel.mesh import layout_of, shard_degree
+
+    d = cfg.dist
+    shard = d.dp_shard
+    if d.strategy == "hsdp":  # its default sharding group: the data-parallel ranks of one node
+        shard = shard_degree(shard, layout_of(ctx.world_size, d.tp, d.pp).dp, d.tp, ctx.env.local_world_size)
+    lines = gather_object_to(rank_line(ctx, d.tp, d.pp, shard))
     if lines is not None:
         print("\n".join(lines), flush=True)
     return 0

@@ -223,12 +223,14 @@ class DistConfig:
         "auto",
         "what happens over the data-parallel ranks: auto (ddp with several, single with one), single, "
         "dp (DataParallel in one process), ddp, zero1 (optimizer state sharded), zero2 (gradients and "
-        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too), or a strategy registered "
-        "with ddpkit.parallel.register_strategy or the ddpkit.strategies entry point",
+        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too; these two and hsdp also with "
+        "dist.tp / dist.pp), hsdp (fsdp in groups of dist.dp_shard ranks, replicated across them), or one "
+        "registered with ddpkit.parallel.register_strategy or the ddpkit.strategies entry point",
         nonblank=True,
     )
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
+    dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = opt(
         "1f1b", "pipeline schedule (torch.distributed.pipelining)"
     )
@@ -244,9 +246,7 @@ class DistConfig:
         gt=0,
         le=MAX_TIMEOUT_S,
     )
-    device: Literal["auto", "cpu", "cuda"] = opt(
-        "auto", "auto: cuda when a GPU is visible, unless backend=gloo"
-    )
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when a GPU is seen, unless backend=gloo")
     grad_compression: str = opt(
         "none",
         "compress DDP's gradient all-reduce with torch's communication hooks: none, fp16 or bf16 (half the "
@@ -255,9 +255,7 @@ class DistConfig:
         "zero1 only; one process has nothing to send)",
         nonblank=True,
     )
-    powersgd_rank: int = opt(
-        1, "PowerSGD's matrix approximation rank (more: closer to exact, more bytes)", gt=0
-    )
+    powersgd_rank: int = opt(1, "PowerSGD's matrix approximation rank (more: closer, more bytes)", gt=0)
     powersgd_warmup_steps: int = opt(
         10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
     )

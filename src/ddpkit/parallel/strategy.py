@@ -86,6 +86,7 @@ BUILTIN = (
     "zero1",
     "zero2",
     "fsdp",
+    "hsdp",
 )  # modules of ddpkit.parallel.strategies, in this order
 
 
@@ -274,12 +275,14 @@ def build_strategy(
     *,
     mesh: Any = None,
     offload: str = "none",
+    dp_shard: int | None = None,
 ) -> Strategy:
     """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
     `compression` registers its gradient hook (strategies whose entry says `compression`).
 
     `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
     `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
+    `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
     """
     import torch.distributed as dist
 
@@ -294,6 +297,8 @@ def build_strategy(
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
     strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
     strategy.mesh, strategy.offload = mesh, offload
+    if dp_shard is not None:
+        strategy.dp_shard = dp_shard
     return strategy
 
 

@@ -81,13 +81,13 @@ def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distribut
 
 def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
     """(layout, mesh): how the ranks split into dp x tp x pp (checked), and the ("pp", "dp", "tp") DeviceMesh
-    when tensor parallelism splits the model (None otherwise: the strategy runs over the default group; a
+    when tensor parallelism splits the model or HSDP shards it (None otherwise: the strategy runs over the default group; a
     pipeline builds its own mesh)."""
     import torch.distributed as dist
 
-    layout = check_config(cfg, ctx.world_size)
-    tensor = layout.tp > 1 and layout.pp == 1 and dist.is_initialized()
-    return layout, build_mesh(layout, ctx.device.type) if tensor else None
+    layout = check_config(cfg, ctx.world_size, ctx.env.local_world_size)
+    split = (layout.tp > 1 or layout.dp_shard is not None) and layout.pp == 1  # HSDP shards over the mesh too
+    return layout, build_mesh(layout, ctx.device.type) if split and dist.is_initialized() else None
 
 
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:

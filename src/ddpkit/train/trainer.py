@@ -147,6 +147,7 @@ class Trainer:
             Compression.from_config(cfg.dist),
             mesh=self.mesh,
             offload=cfg.dist.offload,
+            dp_shard=self.layout.dp_shard,
         )
         self.wrapped = self.strategy.wrap(self.model)
         # ranks of one tensor-parallel group read the same samples: shards by the dp coordinate and degree

@@ -3,7 +3,9 @@ itself over the mesh (`tensor`: tensor parallelism; `activation`: activation che
 
 The ranks form a (pp, dp, tp) grid, tensor-parallel peers next to each other (rank = (pp_i * dp + dp_j) * tp +
 tp_k), so a tensor-parallel group sits on one node whenever tp divides the processes per node. The data-parallel
-degree is what is left: world_size / (tp * pp). Ranks of one tensor or pipeline group read the same samples (the
+degree is what is left: world_size / (tp * pp). Under HSDP (dist.strategy=hsdp) the dp dim is itself
+dp_replicate x dp_shard (dp_j = r * dp_shard + s): FSDP shards over the dp_shard ranks next to each other (one
+node by default) and replicates over the groups (`hsdp_mesh`). Ranks of one tensor or pipeline group read the same samples (the
 loaders shard by the dp coordinate and dp degree), and metrics count every sample once, on one rank per dp
 replica (`counts`).
 
@@ -30,16 +32,30 @@ class Layout:
     dp: int
     tp: int = 1
     pp: int = 1
+    dp_shard: int | None = None  # HSDP: ranks per sharding group (None: one group of all dp ranks)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def shard(self) -> int:
+        """Ranks per sharding group of the dp dim (all of it unless HSDP splits it)."""
+        return self.dp_shard or self.dp
+
     def coords(self, rank: int) -> dict[str, int]:
-        """{"pp": i, "dp": j, "tp": k} of `rank`, where rank = (i * dp + j) * tp + k."""
+        """{"pp": i, "dp": j, "tp": k, "dp_replicate": r, "dp_shard": s} of `rank`, where rank = (i * dp + j) *
+        tp + k and j = r * shard + s."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        dp = (rank // self.tp) % self.dp
+        return {
+            "pp": rank // (self.dp * self.tp),
+            "dp": dp,
+            "tp": rank % self.tp,
+            "dp_replicate": dp // self.shard,
+            "dp_shard": dp % self.shard,
+        }
 
     def counts(self, rank: int) -> bool:
         """True on the one rank per dp replica whose sums the metrics count: tensor rank 0 of the last stage
@@ -48,9 +64,10 @@ class Layout:
         return c["tp"] == 0 and c["pp"] == self.pp - 1
 
     def describe(self, rank: int) -> str:
-        """`dp=1 tp=0 pp=0` (this rank's coordinates, as `ddpkit info` shows them)."""
+        """`dp_replicate=0 dp_shard=1 dp=1 tp=0 pp=0` (this rank's coordinates, as `ddpkit info` shows them;
+        dp = dp_replicate * shard + dp_shard)."""
         c = self.coords(rank)
-        return f"dp={c['dp']} tp={c['tp']} pp={c['pp']}"
+        return f"dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} dp={c['dp']} tp={c['tp']} pp={c['pp']}"
 
     @property
     def parallel(self) -> bool:
@@ -58,8 +75,9 @@ class Layout:
         return self.tp > 1 or self.pp > 1
 
 
-def layout_of(world_size: int, tp: int = 1, pp: int = 1) -> Layout:
-    """The Layout of `world_size` ranks with these degrees; a UserError when tp * pp does not divide it."""
+def layout_of(world_size: int, tp: int = 1, pp: int = 1, dp_shard: int | None = None) -> Layout:
+    """The Layout of `world_size` ranks with these degrees; a UserError when tp * pp does not divide it, or
+    dp_shard (HSDP's sharding group) the data-parallel degree."""
     if tp < 1 or pp < 1:
         raise UserError(
             f"dist.tp={tp} dist.pp={pp}: the degrees must be at least 1", "use dist.tp=1 dist.pp=1"
@@ -70,7 +88,29 @@ def layout_of(world_size: int, tp: int = 1, pp: int = 1) -> Layout:
             f"(world size must be a multiple of {tp * pp})",
             f"start a multiple of {tp * pp} processes, or change dist.tp / dist.pp",
         )
-    return Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+    dp = world_size // (tp * pp)
+    if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
+        raise UserError(
+            f"dist.dp_shard={dp_shard} does not divide the {dp} data-parallel rank(s) of {world_size} process(es) "
+            f"with dist.tp={tp} dist.pp={pp}",
+            f"use a dist.dp_shard that divides {dp}",
+        )
+    return Layout(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)
+
+
+def shard_degree(configured: int | None, dp: int, tp: int, per_node: int) -> int:
+    """HSDP's ranks per sharding group: dist.dp_shard, or by default the data-parallel ranks of one node
+    (the processes per node over tp), all of dp when they are more."""
+    if configured is not None:
+        return configured
+    shard = min(dp, max(1, per_node // tp))
+    if dp % shard:
+        raise UserError(
+            f"dist.strategy=hsdp shards over the {shard} data-parallel rank(s) of a node by default, which do not "
+            f"divide the {dp} data-parallel ranks",
+            f"set dist.dp_shard to a divisor of {dp}",
+        )
+    return shard
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -78,6 +118,14 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
+
+
+def hsdp_mesh(mesh: DeviceMesh, dp_shard: int) -> DeviceMesh:
+    """The 2-D ("dp_replicate", "dp_shard") mesh of `mesh`'s dp dim (HSDP: FSDP2 replicates over the first,
+    shards over the second); collective."""
+    dp = mesh["dp"].size()
+    four = mesh._unflatten("dp", (dp // dp_shard, dp_shard), ("dp_replicate", "dp_shard"))
+    return four["dp_replicate", "dp_shard"]
 
 
 # ------------------------------------------------------------------------------------- checks of a config
@@ -163,19 +211,57 @@ def check_model(cfg: Any, layout: Layout) -> None:
         )
 
 
-def check_config(cfg: Any, world_size: int) -> Layout:
-    """Every layout check of a config for `world_size` ranks, before any worker starts; returns the Layout."""
-    layout = layout_of(world_size, cfg.dist.tp, cfg.dist.pp)
-    check_model(cfg, layout)
-    if layout.pp == 1:  # a pipeline runs DDP over its replicas (parallel/pipeline/plan.py checks the rest)
-        strategy_over_dp(cfg.dist.strategy, layout, cfg.dist.offload)
-    elif layout.tp > 1 and layout.dp > 1:
+def pipeline_strategy(name: str, layout: Layout) -> str:
+    """The strategy over the dp dim of a pipeline for dist.strategy=`name`: ddp (DDP around each stage) or one
+    that shards with FSDP2 (fsdp, zero2, hsdp: fully_shard on each stage, over its tensor-parallel DTensors too);
+    auto is zero2 when the stages are tensor-parallel and replicated, ddp otherwise."""
+    from ddpkit.parallel.strategy import get_strategy
+
+    if name == "auto":
+        return AUTO_OVER_TP if layout.tp > 1 and layout.dp > 1 else "ddp"
+    if name != "ddp" and not get_strategy(name).over_dtensors:
         raise UserError(
-            f"dist.tp={layout.tp} x dist.pp={layout.pp} on {world_size} processes leaves dp={layout.dp}: the "
-            "pipeline's DDP over the data-parallel replicas cannot take tensor-parallel (DTensor) stages",
-            f"start tp x pp = {layout.tp * layout.pp} processes, or drop dist.tp",
+            f"dist.strategy={name} cannot run over the data-parallel ranks of a pipeline (dist.pp={layout.pp})",
+            f"use dist.strategy=ddp or {_names('over_dtensors')} (or auto)",
+        )
+    if name == "ddp" and layout.tp > 1 and layout.dp > 1:
+        raise UserError(
+            f"dist.strategy=ddp cannot run over tensor-parallel (DTensor) pipeline stages (dist.tp={layout.tp} "
+            f"dist.pp={layout.pp} leaves dp={layout.dp})",
+            f"use dist.strategy=auto ({AUTO_OVER_TP}), or {_names('over_dtensors')}",
+        )
+    return name
+
+
+def check_config(cfg: Any, world_size: int, per_node: int | None = None) -> Layout:
+    """Every layout check of a config for `world_size` ranks (`per_node` of them on each node: HSDP's default
+    sharding group), before any worker starts; returns the Layout (with HSDP's dp_shard resolved)."""
+    d = cfg.dist
+    layout = layout_of(world_size, d.tp, d.pp, d.dp_shard)
+    check_model(cfg, layout)
+    if layout.pp == 1:
+        name = strategy_over_dp(d.strategy, layout, d.offload)
+    else:  # parallel/pipeline/plan.py checks the rest
+        name = pipeline_strategy(d.strategy, layout)
+    if name == "hsdp":
+        shard = shard_degree(d.dp_shard, layout.dp, layout.tp, per_node or world_size)
+        return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=shard)
+    if d.dp_shard is not None:
+        raise UserError(
+            f"dist.dp_shard={d.dp_shard} sets HSDP's sharding group, but dist.strategy is {d.strategy}",
+            "add dist.strategy=hsdp, or drop dist.dp_shard",
         )
     return layout
 
 
-__all__ = ["DIMS", "Layout", "build_mesh", "check_config", "layout_of", "strategy_over_dp"]
+__all__ = [
+    "DIMS",
+    "Layout",
+    "build_mesh",
+    "check_config",
+    "hsdp_mesh",
+    "layout_of",
+    "pipeline_strategy",
+    "shard_degree",
+    "strategy_over_dp",
+]

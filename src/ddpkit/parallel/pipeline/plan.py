@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.errors import UserError
+from ddpkit.parallel.strategy import get_strategy, strategy_names
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -57,6 +58,11 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
     _check_split(cfg, d.pp * stages_per_rank(d.pp_schedule))
 
 
+def sharded_strategies() -> list[str]:
+    """The strategies that shard each stage with FSDP2 over a pipeline's data-parallel ranks."""
+    return [n for n in strategy_names() if get_strategy(n).over_dtensors]
+
+
 def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
     """(set, the setting, what to do instead) of every setting a pipeline cannot run with."""
     d, train, model = cfg.dist, cfg.train, cfg.model
@@ -67,19 +73,15 @@ def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
             "use train.amp=bf16 or none (no gradient scaler across stages)",
         ),
         (
-            train.grad_accum_steps > 1,
-            f"train.grad_accum_steps={train.grad_accum_steps}",
-            "the pipeline's micro-batches replace it: set dist.pp_microbatches instead",
-        ),
-        (
             d.grad_compression != "none",
             f"dist.grad_compression={d.grad_compression}",
             "drop it: stage gradients go through plain DDP",
         ),
         (
-            d.strategy not in ("auto", "ddp"),
+            d.strategy not in ("auto", "ddp", *sharded_strategies()),
             f"dist.strategy={d.strategy}",
-            "use dist.strategy=ddp (or auto) over the data-parallel ranks of a pipeline",
+            f"use dist.strategy=ddp or {' or '.join(sharded_strategies())} (or auto) over the data-parallel "
+            "ranks of a pipeline",
         ),
         (
             d.offload != "none",

@@ -9,7 +9,8 @@ torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B).
     sums = runner.evaluate(loader, score, width)   # exact: forward only, sums from the last stage, all ranks
 
 Each rank runs its stages (plain modules holding full-model parameter names); with several data-parallel
-replicas each stage is wrapped in DDP over the mesh's "dp" group. `full_state(runner)` gathers the stages'
+replicas each stage is wrapped in DDP over the mesh's "dp" group, or sharded with FSDP2 over it (`shard`: fsdp,
+zero2, hsdp; torch's schedules reduce the stages' gradients once per step). `full_state(runner)` gathers the stages'
 state dicts into one full-model state dict (what a full-format checkpoint stores).
 """
 
@@ -85,7 +86,8 @@ class PipelineRunner:
     `stages`: the modules of the stages this rank runs (stage indices from `pipeline.plan.stage_ids`);
     `eval_stages`: traced stages' eval-mode twins (evaluation runs them on `stages`' parameters and buffers);
     `loss_fn(output, target)`: the mean loss of one micro-batch, on the last stage; `counts`: this rank's
-    last-stage results are the ones counted (one rank per pipeline when tensor-parallel ranks repeat them).
+    last-stage results are the ones counted (one rank per pipeline when tensor-parallel ranks repeat them);
+    `shard(module)`: FSDP2 over the data-parallel ranks in place of DDP (fully_shard on the module a stage runs).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class PipelineRunner:
         counts: bool = True,
         eval_stages: Sequence[nn.Module] | None = None,
         shared: Sequence = (),
+        shard: Callable[[nn.Module], nn.Module] | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -118,6 +121,7 @@ class PipelineRunner:
         # parameters used by stages of several ranks (pipeline.split.Shared): their gradients summed over those
         # ranks after each backward, so every copy takes the one-process update
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
+        self.shard = shard
         self.wrapped = [self._wrap(m) for m in self.stages]
         pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
@@ -130,6 +134,8 @@ class PipelineRunner:
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         module = ContiguousEdges(module)
+        if self.shard is not None:  # FSDP2: every forward gathers the stage's parameters (a collective)
+            return self.shard(module)
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -156,11 +162,20 @@ class PipelineRunner:
         """The global rank running `stage` in this rank's pipeline."""
         return dist.get_global_rank(self.pp_group, stage % self.pp)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward and backward of one batch (cut into the micro-batches); gradients are those of the batch's
-        mean loss. Returns that loss (detached) on every rank of the pipeline, and the last stage's output of
-        the whole batch on the rank running it (None elsewhere)."""
+        mean loss (`accumulate`: added to the gradients already there). Returns that loss (detached) on every
+        rank of the pipeline, and the last stage's output of the whole batch on the rank running it (None
+        elsewhere)."""
         self.train()
+        # the schedule divides every gradient by the micro-batches at its end, those already there too: they
+        # are set aside and added back
+        params = self.parameters() if accumulate else []
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
@@ -173,6 +188,9 @@ class PipelineRunner:
         )
         dist.broadcast(loss, src=self._owner(self.n_stages - 1), group=self.pp_group)
         self._sum_shared_grads()
+        for p, g in zip(params, kept, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
         return loss, (_local(out).detach() if self.last and out is not None else None)
 
     def _uses(self, shared) -> bool:
@@ -235,8 +253,8 @@ class PipelineRunner:
         return out
 
     def _eval_forward(self, k: int, h: torch.Tensor):
-        if self.eval_stages is None:
-            return self.stages[k](h)
+        if self.eval_stages is None:  # a sharded stage through its FSDP2 root, which gathers its parameters
+            return (self.wrapped[k] if self.shard is not None else self.stages[k])(h)
         stage = self.stages[k]
         tensors = {
             **dict(stage.named_parameters(remove_duplicate=False)),
@@ -260,14 +278,29 @@ class PipelineRunner:
         was = self.stages[0].training
         self.train(False)
         sums = torch.zeros(width, dtype=torch.float64, device=self.device)
+        dummy, forwards = None, 0
         for x, y in loader:
             for xs, ys in _pieces(x, y, fixed_batch):
-                out = self.forward(xs)
+                out, forwards = self.forward(xs), forwards + 1
+                dummy = xs if len(xs) else dummy
                 if out is not None and self.counts and len(ys):
                     sums += score(out[: len(ys)].float(), ys.to(self.device)).to(sums)
+        self._even_out(forwards, loader, dummy)
         dist.all_reduce(sums)  # only the counted last-stage ranks hold non-zero sums
         self.train(was)
         return sums
+
+    def _even_out(self, forwards: int, loader: Iterable, dummy: torch.Tensor | None) -> None:
+        """Sharded stages: a replica that ran fewer forwards than another runs unscored ones until
+        it has run as many (each forward is a collective over the data-parallel ranks), on a piece it ran before."""
+        if self.shard is None:
+            return
+        most = torch.tensor([forwards], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        if dummy is None:
+            dummy = loader.dataset[0][0].unsqueeze(0)
+        for _ in range(int(most.item()) - forwards):
+            self.forward(dummy)
 
 
 def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):

@@ -17,18 +17,20 @@ import torch
 import torch.nn as nn
 
 from ddpkit.models import model_family
-from ddpkit.parallel.mesh import build_mesh, layout_of
+from ddpkit.parallel.mesh import build_mesh, layout_of, pipeline_strategy
 from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.plan import n_microbatches, stage_ids
 from ddpkit.parallel.pipeline.runner import PipelineRunner
 from ddpkit.parallel.pipeline.split import traced_stages
 from ddpkit.parallel.strategy import Strategy as BaseStrategy
+from ddpkit.parallel.strategy import build_strategy
 
 
 @dataclass
 class PipelineParts:
     runner: PipelineRunner
     layout: Any
+    strategy: str  # over the data-parallel ranks: ddp (DDP around each stage), or fsdp / zero2 / hsdp (FSDP2)
     coords: dict
     modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
@@ -67,12 +69,17 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
         stages, eval_stages, shared = traced_stages(model, splits, example, ids)
-    if (
-        layout.tp > 1
-    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
+    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
+    name, shard = pipeline_strategy(d.strategy, layout), None
+    if name != "ddp":  # FSDP2 over the dp dim of each (tensor-parallel) stage, as the strategy shards a model
+        sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard)
+
+        def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
+            return sharding.shard(edges.stage, root=edges)
+
     runner = PipelineRunner(
         stages,
         schedule=d.pp_schedule,
@@ -85,8 +92,9 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         counts=coords["tp"] == 0,
         eval_stages=eval_stages,
         shared=shared,
+        shard=shard,
     )
-    return PipelineParts(runner, layout, coords, nn.ModuleList(stages), fixed)
+    return PipelineParts(runner, layout, name, coords, nn.ModuleList(stages), fixed)
 
 
 def forward_backward(trainer, micro_batches) -> None:
@@ -94,14 +102,19 @@ def forward_backward(trainer, micro_batches) -> None:
     from ddpkit.train.builders import to_device
 
     parts: PipelineParts = trainer.pipeline
-    for x, y in micro_batches:  # one batch: grad_accum_steps is 1 under a pipeline
+    accum = trainer.cfg.train.grad_accum_steps
+    for i, (x, y) in enumerate(micro_batches):  # train.grad_accum_steps batches, each through the schedule
         x, y = to_device(x, y, trainer.device, trainer.cfg.model.channels_last)
-        loss, out = parts.runner.step(x, y)
+        loss, out = parts.runner.step(x, y, accumulate=i > 0)
         if out is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
         elif parts.shown is not None:  # a counted unit: a sample, or a language model's token
             parts.shown.count(loss, 0, y.shape[0] if trainer.state.accuracy else y.numel())
         trainer.nonfinite.see(loss)
+    if accum > 1:  # each schedule step's gradients are of its batch's mean loss: the step's are their mean
+        for p in parts.runner.parameters():
+            if p.grad is not None:
+                p.grad.div_(accum)
 
 
 def evaluate(trainer) -> dict[str, Any]:
@@ -120,7 +133,7 @@ class Strategy(BaseStrategy):
     def __init__(self, ctx, parts: PipelineParts):
         super().__init__(ctx)
         self.parts = parts
-        self.name = "ddp" if parts.layout.dp > 1 else "single"
+        self.name = parts.strategy if parts.layout.dp > 1 or parts.strategy != "ddp" else "single"
 
     @property
     def stages(self) -> list[nn.Module]:

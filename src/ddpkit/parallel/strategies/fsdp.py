@@ -1,7 +1,7 @@
 """fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
 
 Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
-further); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
+further; a pipeline: each stage, parallel/pipeline/trainer.py); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
 (CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
 """
 
@@ -37,17 +37,24 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         import torch
-        from torch.distributed.fsdp import fully_shard
 
-        options = self.shard_options()
         if any(not p.is_contiguous() for p in model.parameters()):
             # FSDP2 shards parameters in the standard layout only (model.channels_last made them NHWC); the
             # values are the same, only the memory order changes
             model = model.to(memory_format=torch.contiguous_format)
+        return self.shard(model)
+
+    def shard(self, model: nn.Module, root: nn.Module | None = None) -> nn.Module:
+        """fully_shard on each unit of `model` (shard_units), then on `root` (default: `model` itself; a pipeline
+        stage's wrapper, whose forward the schedule calls); returns the root."""
+        from torch.distributed.fsdp import fully_shard
+
+        options = self.shard_options()
         for block in shard_units(model):  # one shard group per block, then the root
             fully_shard(block, **options)
-        fully_shard(model, **options)
-        return model
+        root = model if root is None else root
+        fully_shard(root, **options)
+        return root
 
     def unwrap(self, wrapped):
         return wrapped
