@@ -69,7 +69,9 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
         example = (torch.zeros(fixed, *example_shape, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
         stages, eval_stages, shared = traced_stages(model, splits, example, ids)
-    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
+    if (
+        layout.tp > 1
+    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
         from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
