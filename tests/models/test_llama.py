@@ -1,7 +1,7 @@
 """The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
 attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
-checkpointing, under a pipeline, and tied under FSDP, equal to one process. Budget: about 75 s (five `ddpkit
-train` runs of 6 steps, three on 2 processes)."""
+checkpointing, under zero2 x tensor x pipeline parallelism on 8 processes, and tied under FSDP, equal to one
+process. Budget: about 90 s (five `ddpkit train` runs of 6 steps, two on 2 processes, one on 8)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_under_tensor_parallelism_with_checkpointing_and_under_a_pipeline_equals_one_process(
+def test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_x_pp_equals_one_process(
     gpt_text, tmp_path, capsys
 ):
     from ddpkit.checkpoint import load_checkpoint
@@ -87,12 +87,17 @@ def test_llama_under_tensor_parallelism_with_checkpointing_and_under_a_pipeline_
         tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2",
         "model.activation_checkpointing=full", dp=1,
     )  # fmt: skip
-    # its family's pipeline cut (at its blocks, models/blocks.py) too
-    gpt_train(tmp_path / "pp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.pp=2", dp=1)
+    # its family's pipeline cut (at its blocks, models/blocks.py) and tensor plan on the 3-D layout: zero2 over
+    # dp=2 x tp=2 x pp=2 on 8 processes
+    three_d = gpt_train(
+        tmp_path / "pp", gpt_text, 8, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2", "dist.pp=2",
+        "dist.strategy=zero2", "dist.pp_microbatches=2", "--oversubscribe", dp=2,
+    )  # fmt: skip
     one, tp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "tp")
     assert "blocks.1.mlp.gate.weight" in one
     assert load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
     _assert_close(tp, one)
+    assert "strategy zero2, pipeline 2 stages (1f1b) over dp=2 x tp=2 x pp=2" in three_d.stdout
     _assert_close(_last_weights(tmp_path / "pp"), one)
     for bad, fragment in (
         (["model.n_kv_head=1", "dist.tp=2"], "model.n_kv_head=1 cannot be split over dist.tp=2"),
