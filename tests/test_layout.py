@@ -1,6 +1,6 @@
 """The layout rules a newcomer relies on, checked: declared channels, registries asked instead of name lists, the
 folders and their order, the size limits, the tests mirroring the package, no model named in parallel/ and
-train/, every module importable alone. Budget: 45 s (reads files; one process imports every moved module; one
+train/, every module importable alone, no import cycle. Budget: 45 s (reads files; one process imports every moved module; one
 imports torch and forks once per module: about 14 s of CPU)."""
 
 from __future__ import annotations
@@ -238,3 +238,56 @@ def test_every_module_imports_alone_with_no_other_imported_first():
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = len([p for p in _sources() if p.name != "__main__.py"])
     assert proc.stdout.splitlines()[-1] == f"{n} modules, 0 failed", proc.stdout[-3000:]
+
+
+def _module_name(path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path, modules: set[str]) -> set[str]:
+    """The ddpkit modules `path` imports when it is imported (its body and the if/try blocks there; not the
+    imports inside functions, nor those under `if TYPE_CHECKING`)."""
+    import ast
+
+    found, todo = set(), list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + getattr(node, "handlers", [])
+        elif isinstance(node, ast.ExceptHandler):
+            todo += node.body
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m in modules}
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle in `graph` (module -> the modules it imports), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = 2
+        return []
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n, [n]))), [])
+
+
+def test_no_import_cycle_between_modules():
+    # the finder itself: a two-module cycle and a chain
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    modules = {_module_name(p): p for p in _sources()}
+    graph = {name: _top_level_imports(path, set(modules)) - {name} for name, path in modules.items()}
+    assert sum(map(len, graph.values())) > 200  # the scan sees the imports
+    assert _a_cycle(graph) == [], "modules that import each other: move what both need below them"
