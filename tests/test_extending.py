@@ -346,3 +346,36 @@ def test_a_command_from_another_package_runs_on_two_processes(tmp_path):
     assert lines == ["rank 0/2: sum 30", "rank 1/2: sum 30"]  # the package's flag and its collective
     unknown = run_cli("count", "--times", "10")  # without the package: an unknown command, one line
     assert unknown.returncode == 2 and "unknown command 'count'" in unknown.stderr
+
+
+def test_every_extension_point_is_one_registry_type_asked_in_order():
+    # data sets, models, strategies, compression, launcher detectors and commands: one Registry each, where an
+    # entry's `order` puts it before the built-ins
+    from ddpkit.cluster.launchers import DETECTORS
+    from ddpkit.commands import COMMANDS
+    from ddpkit.data import DatasetEntry, dataset_names
+    from ddpkit.data import registry as data_registry
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.parallel import compression
+    from ddpkit.parallel import strategy as strategies
+    from ddpkit.parallel.strategies.ddp import DDPStrategy
+    from ddpkit.registry import Registry
+
+    tables = [data_registry._REGISTRY, MODEL_FAMILIES, strategies._REGISTRY, compression._REGISTRY]
+    assert all(isinstance(t, Registry) for t in [*tables, DETECTORS, COMMANDS])
+    first = [
+        (data_registry.register_dataset, DatasetEntry("early-set", build=print, order=1), dataset_names),
+        (
+            strategies.register_strategy,
+            strategies.StrategyEntry("early-ddp", DDPStrategy, "ddp, asked first", order=1),
+            strategies.strategy_names,
+        ),
+    ]
+    try:
+        for register, entry, names in first:
+            register(entry)
+            assert names()[0] == entry.name and len(names()) > 2
+    finally:
+        data_registry._REGISTRY.unregister("early-set")
+        strategies._REGISTRY.unregister("early-ddp")
+    assert "early-set" not in dataset_names()

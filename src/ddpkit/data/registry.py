@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError, first_line
+from ddpkit.registry import Registry
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -70,33 +70,26 @@ class DatasetEntry:
     missing: Callable[[str], list[str]] | None = None  # files missing under a root (for download messages)
     downloads: bool = False  # data.download applies: rank 0 downloads while the others wait
     tokens: bool = False  # samples are token sequences for a language model (model.arch=gpt), not images
+    order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     @property
     def title(self) -> str:
         return self.label or self.name
 
 
-_REGISTRY: dict[str, DatasetEntry] = {}
+_REGISTRY: Registry[DatasetEntry] = Registry(
+    "data set", ENTRY_POINT_GROUP, DatasetEntry, "ddpkit.data.DatasetEntry"
+)
 
 
 def register_dataset(entry: DatasetEntry, *, replace: bool = False) -> DatasetEntry:
     """Make `entry.name` a valid data.dataset; refuses to shadow a registered name unless replace=True."""
-    if entry.name in _REGISTRY and not replace and _REGISTRY[entry.name] is not entry:
-        raise ValueError(f"data set '{entry.name}' is already registered")
-    _REGISTRY[entry.name] = entry
-    return entry
+    return _REGISTRY.register(entry, replace=replace)
 
 
 def _load_builtin() -> None:
     from ddpkit.data import builtin, text, vision  # noqa: F401  (their entries register themselves)
     from ddpkit.data.text import tokens  # noqa: F401
-
-
-def _from_entry_points(name: str) -> DatasetEntry | None:
-    entry = named_entry(
-        ENTRY_POINT_GROUP, name, DatasetEntry, f"data set '{name}'", "ddpkit.data.DatasetEntry"
-    )
-    return None if entry is None else register_dataset(entry, replace=True)
 
 
 def dataset_names() -> list[str]:
@@ -108,7 +101,7 @@ def dataset_names() -> list[str]:
 def get_dataset(name: str) -> DatasetEntry:
     """The entry for data.dataset `name`; UserError naming the valid ones when there is none."""
     _load_builtin()
-    entry = _REGISTRY.get(name) or _from_entry_points(name)
+    entry = _REGISTRY.find(name)
     if entry is None:
         import difflib
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpkit import _moved
-from ddpkit.entrypoints import named_entry
 from ddpkit.errors import UserError
+from ddpkit.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +57,7 @@ class StrategyEntry:
     recognizes: Callable[[Any, Any], bool] | None = None
     over_dtensors: bool = False
     offloads: bool = False
+    order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):
         unknown = set(self.shards) - set(SHARDABLE)
@@ -66,17 +67,16 @@ class StrategyEntry:
             )
 
 
-_REGISTRY: dict[str, StrategyEntry] = {}
+_REGISTRY: Registry[StrategyEntry] = Registry(
+    "strategy", ENTRY_POINT_GROUP, StrategyEntry, "ddpkit.parallel.StrategyEntry"
+)
 
 
 def register_strategy(entry: StrategyEntry, *, replace: bool = False) -> StrategyEntry:
     """Make `entry.name` a valid dist.strategy; refuses to shadow a registered name unless replace=True."""
     if entry.name == "auto":
         raise ValueError("'auto' is not a strategy name: it picks one")
-    if entry.name in _REGISTRY and not replace and _REGISTRY[entry.name] is not entry:
-        raise ValueError(f"strategy '{entry.name}' is already registered")
-    _REGISTRY[entry.name] = entry
-    return entry
+    return _REGISTRY.register(entry, replace=replace)
 
 
 BUILTIN = (
@@ -97,13 +97,6 @@ def _load_builtin() -> None:
         importlib.import_module(f"ddpkit.parallel.strategies.{name}")
 
 
-def _from_entry_points(name: str) -> StrategyEntry | None:
-    entry = named_entry(
-        ENTRY_POINT_GROUP, name, StrategyEntry, f"strategy '{name}'", "ddpkit.parallel.StrategyEntry"
-    )
-    return None if entry is None else register_strategy(entry, replace=True)
-
-
 def strategy_names() -> list[str]:
     """Every registered strategy name (built-in ones first)."""
     _load_builtin()
@@ -113,7 +106,7 @@ def strategy_names() -> list[str]:
 def get_strategy(name: str, key: str = "dist.strategy") -> StrategyEntry:
     """The entry for strategy `name`; a UserError naming the valid ones when there is none."""
     _load_builtin()
-    entry = _REGISTRY.get(name) or _from_entry_points(name)
+    entry = _REGISTRY.find(name)
     if entry is None:
         import difflib
 
