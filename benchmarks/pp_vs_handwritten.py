@@ -1,13 +1,16 @@
-"""`ddpkit.prepare(model, pp=2, ...)` beside a hand-written torch.distributed.pipelining loop on the same GPT:
-tokens/s of training steps and the time to the first step, 2 processes (gloo), Schedule1F1B, 4 micro-batches.
+"""`ddpkit.prepare(model, pp=2, ...)` beside a hand-written torch.distributed.pipelining loop on the same GPT, and
+`ddpkit.prepare(model, opt, tp=2)` beside a hand-written `parallelize_module` loop: tokens/s of training steps
+and the time to the first step, 2 processes (gloo).
 
-The hand-written pipeline cuts the model at a module boundary by hand (each rank keeps its half of the blocks
-and deletes the rest: ddpkit's own GPT recipe, parallel/pipeline/split.gpt_stage) and runs the stages eagerly;
-prepare() cuts a user's model with torch's tracer, whose stages run through torch.fx's interpreter. Both train
-the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the two runs take turns in one process group.
+Pipeline: Schedule1F1B, 4 micro-batches. The hand-written pipeline cuts the model at a module boundary by hand
+(each rank keeps its half of the blocks and deletes the rest: ddpkit's own GPT recipe,
+parallel/pipeline/split.gpt_stage); prepare() cuts the user's model where `pp_split` begins
+(parallel/pipeline/eager.py). Tensor parallel: both split the model by the same plan (ddpkit's GPT plan).
+Every run trains the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the runs take turns in
+one process group (`--rounds` alternations, medians reported).
 
     python benchmarks/pp_vs_handwritten.py                  # n_layer 4, n_embd 128, block 64, batch 16
-    python benchmarks/pp_vs_handwritten.py --steps 40 --n-embd 256
+    python benchmarks/pp_vs_handwritten.py --only pp --steps 40 --n-embd 256
 """
 
 from __future__ import annotations
@@ -69,9 +72,46 @@ def _ported(args):
     return step
 
 
+def _tp_handwritten(args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ddpkit.parallel.mesh.tensor import plan_for
+
+    model, x, y = _setup(args)
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan_for(model, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _tp_ported(args):
+    model, x, y = _setup(args)
+    model, opt = ddpkit.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), tp=2)
+
+    def step():
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+RUNS = {
+    "pp": (("pp handwritten", _handwritten), ("pp prepare", _ported)),
+    "tp": (("tp handwritten", _tp_handwritten), ("tp prepare", _tp_ported)),
+}
+
+
 def _measure(args) -> dict:
     out = {}
-    for name, make in (("handwritten", _handwritten), ("prepare", _ported)) * args.rounds:
+    runs = [r for kind in (("pp", "tp") if args.only == "both" else (args.only,)) for r in RUNS[kind]]
+    for name, make in runs * args.rounds:
         dist.barrier()
         t0 = time.perf_counter()
         step = make(args)
@@ -101,12 +141,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="alternations of the two runs (medians reported)")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the runs (medians reported)")
+    p.add_argument("--only", choices=("pp", "tp", "both"), default="both")
     args = p.parse_args()
     result = ddpkit.launch(_measure, args, nprocs=2)[0]
-    result["prepare/handwritten tokens/s"] = round(
-        result["prepare"]["tokens_per_s"] / result["handwritten"]["tokens_per_s"], 3
-    )
+    for kind in ("pp", "tp"):
+        if f"{kind} prepare" in result:
+            result[f"{kind}: prepare/handwritten tokens/s"] = round(
+                result[f"{kind} prepare"]["tokens_per_s"] / result[f"{kind} handwritten"]["tokens_per_s"], 3
+            )
     print(json.dumps(result, indent=2))
 
 

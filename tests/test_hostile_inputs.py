@@ -436,6 +436,40 @@ def test_a_fifo_inside_a_sharded_checkpoint_is_one_line_not_a_wait(tmp_path):
     assert_user_error(proc, str(last), ".metadata is a FIFO")
 
 
+def test_a_fifo_as_the_text_data_is_one_line_not_a_wait(tmp_path):
+    """data.dataset=text: a FIFO as data.root, inside a data.root folder, or put where a file was after it was
+    listed, is one line naming it (a plain open() of a FIFO waits for a writer forever)."""
+    import threading
+
+    from ddpkit.config import load_config
+    from ddpkit.data import text
+
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text " * 50)
+    os.mkfifo(folder / "b.txt")
+    outcome: dict = {}
+
+    def read_all():
+        for root, fragment in [
+            (fifo, "corpus.txt' is a FIFO, not a file or a folder"),
+            (folder, "b.txt' is a FIFO"),
+        ]:
+            cfg = load_config(None, ["data.dataset=text", f"data.root={root}", "data.block_size=8"])
+            with pytest.raises(UserError, match=re.escape(fragment)):
+                text.read_text(cfg)
+        with pytest.raises(UserError, match=re.escape("corpus.txt' is a FIFO, not a text file")):
+            text._read_one(fifo, 100)  # what read_text opens once it has listed the files
+        outcome["done"] = True
+
+    worker = threading.Thread(target=read_all, daemon=True)  # a wait would block the thread, not the suite
+    worker.start()
+    worker.join(timeout=30)
+    assert outcome.get("done"), "reading a FIFO as text waited (or failed: see the thread's exception)"
+
+
 def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
     from ddpkit.commands.outputs import check_output
 
@@ -444,13 +478,25 @@ def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
     for force in (False, True):
         with pytest.raises(UserError, match="--json '.*out.json' is a FIFO, not a file"):
             check_output(fifo, ".json", "--json", force)
-    script = tmp_path / "train.py"
+    script, job = tmp_path / "train.py", tmp_path / "job.sh"
     os.mkfifo(script)
-    run_proc, report_proc = run_clis(
-        ["run", str(script)], ["report", str(tmp_path), "--json", str(fifo)], timeout=60
+    os.mkfifo(job)
+    existing = tmp_path / "mine.json"
+    existing.write_text("kept")
+    procs = run_clis(
+        ["run", str(script)],
+        ["report", str(tmp_path), "--json", str(fifo)],
+        ["bench", "--nproc", "2", "--json", str(fifo), "--force"],  # --force replaces files, never a FIFO
+        ["bench", "--nproc", "2", "--json", str(existing)],
+        ["slurm", "--script", str(job), "--force"],
+        timeout=60,
     )
-    assert_user_error(run_proc, "train.py' is a FIFO")
-    assert_user_error(report_proc, "out.json' is a FIFO")
+    assert_user_error(procs[0], "train.py' is a FIFO")
+    assert_user_error(procs[1], "out.json' is a FIFO")
+    assert_user_error(procs[2], "--json '", "out.json' is a FIFO, not a file")
+    assert_user_error(procs[3], "mine.json' exists and ddpkit did not write it", "--force")
+    assert_user_error(procs[4], "--script '", "job.sh' is a FIFO, not a file")
+    assert existing.read_text() == "kept"
 
 
 # ------------------------------------------------------------------------------- the library's arguments
@@ -604,12 +650,21 @@ def test_stacks_never_signals_a_process_that_took_a_stale_job_folders_pids(tmp_p
 
 @pytest.mark.slow
 def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
+    """... and a warning of torch's that every rank gives is printed once for the job, one that a single rank
+    gives still once."""
     script = tmp_path / "bad_prepare.py"
-    script.write_text("import torch\nimport ddpkit\n\nddpkit.prepare(torch.nn.Linear(2, 2), tp='2')\n")
+    script.write_text(
+        "import os, warnings\nimport torch\nimport ddpkit\n\n"
+        "torch.tensor(torch.ones(1))  # torch's UserWarning, on every rank\n"
+        "if os.environ['RANK'] == '1':\n    warnings.warn('rank 1 alone')\n"
+        "ddpkit.prepare(torch.nn.Linear(2, 2), tp='2')\n"
+    )
     for launcher in ("torchrun", "spawn"):  # spawn: torch's "Terminating process" warning is not repeated
         proc = run_cli("run", "--launcher", launcher, "--nproc-per-node", "2", str(script), cwd=tmp_path)
         assert_user_error(proc, "ddpkit.prepare(tp='2'): tp must be a whole number")
         assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr
+        assert proc.stderr.count("UserWarning: To copy construct from a tensor") == 1, proc.stderr
+        assert proc.stderr.count("UserWarning: rank 1 alone") == 1, proc.stderr
 
 
 # ------------------------------------------------------------------------------------- signals in every wait
@@ -719,7 +774,10 @@ def test_sharded_checkpoint_errors_name_the_file_the_tensor_and_both_shapes(tmp_
     shard = next(last.glob("*.distcp"))
     size = shard.stat().st_size
     for damage, fragment in [
-        (b"\0" * size, f"a shard of {last} read by rank 0 is damaged: it is not a torch.save file"),
+        (
+            b"\0" * size,
+            f"its shard {shard.name} of {last} read by rank 0 is damaged: it is not a torch.save file",
+        ),
         (shard.read_bytes()[: size // 2], f"its shard {shard.name} holds {size // 2} bytes"),
         (None, f"its shard {shard.name} is missing"),
     ]:

@@ -234,19 +234,37 @@ def test_prepare_refuses_a_split_that_is_not_the_models():
         check_split_names(user.TinyLM(), ["blocks.1", "blocks.1.mlp"], 3)
 
 
-def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
-    """The tracer bakes train-mode BatchNorm and dropout into its graph: evaluation runs eval-mode twins of the
+class _CheckedSequential(torch.nn.Sequential):
+    def forward(self, x):
+        assert x.shape[1] == 3, (
+            "3 channels"
+        )  # a check on a size: torch.fx cannot record it, torch's tracer can
+        return super().forward(x)
+
+
+def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors(capsys):
+    """A forward that cannot be cut at module boundaries is cut by torch's tracer, which rank 0 says in one line.
+    The tracer bakes train-mode BatchNorm and dropout into its graph: evaluation runs eval-mode twins of the
     stages on the training stages' parameters and buffers, and gets the model's own eval output."""
     import torch.nn as nn
 
-    from ddpkit.parallel.pipeline.split import traced_stages
+    from ddpkit.parallel.pipeline.eager import cut_stages
 
     torch.manual_seed(0)
-    model = nn.Sequential(
+    model = _CheckedSequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(4 * 36, 5)
     )
     x = torch.randn(4, 3, 8, 8)
-    stages, twins, _ = traced_stages(model, ["2"], (x,), [0, 1])
+    stages, twins, _, traced = cut_stages(model, ["2"], (x,), [0, 1], say=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert (
+        traced
+        and len(lines) == 1
+        and lines[0].startswith(
+            "ddpkit: warning: _CheckedSequential cannot be cut at module boundaries (torch.fx could not record its "
+        )
+    )
+    assert lines[0].endswith("its pipeline stages run through torch's tracer, which is slower")
     stages[1](stages[0](x))  # a training forward: the running statistics move, in the model's own buffers
     assert float(model[1].running_mean.abs().sum()) > 0
 
@@ -257,3 +275,91 @@ def test_traced_stages_evaluate_in_eval_mode_on_the_training_stages_tensors():
     with torch.no_grad():
         got = run(1, run(0, x))
         assert torch.equal(got, model.eval()(x))
+
+
+# ----------------------------------------------------------------- stages cut at module boundaries (eager)
+
+
+class _Net(torch.nn.Module):
+    """BatchNorm and dropout in modules, a top-level sum of two branches: what eager stages must run as is."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.skip = torch.nn.Linear(6, 6)
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.BatchNorm1d(6), torch.nn.Dropout(0.5)), torch.nn.Linear(6, 3)]
+        )
+
+    def forward(self, x):
+        h = self.a(x) + self.skip(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class _TopLevelDropout(_Net):
+    def forward(self, x):  # reads self.training in its own code: the record differs between the modes
+        h = torch.nn.functional.dropout(self.a(x), 0.5, self.training)
+        return self.layers[1](h)
+
+
+class _Branchy(_Net):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor's value: torch.fx cannot record it
+            x = x * 2
+        return self.layers[1](self.a(x))
+
+
+class _SizeCrossesTheCut(_Net):
+    def forward(self, x):
+        n = x.size(0)
+        return self.layers[1](self.a(x)).view(n, -1)
+
+
+def test_eager_stages_call_the_models_own_modules_in_its_own_mode(capsys):
+    """Each stage is the forward's own code up to the next split point, calling the model's modules (no copy):
+    a training forward moves the model's BatchNorm statistics, eval mode switches its dropout off, and a forward
+    whose own code reads self.training gets evaluation stages recorded in eval mode. Forwards that cannot be cut
+    at module boundaries say why."""
+    from ddpkit.parallel.pipeline.eager import NotEager, cut_stages, eager_stages
+
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(8, 6)
+    stages, eval_stages = eager_stages(model, ["layers.1"])
+    assert eval_stages is None
+    assert (
+        stages[0].get_submodule("layers.0") is model.layers[0]
+        and stages[1].get_submodule("layers.1") is model.layers[1]
+    )
+    assert dict(stages[1].named_parameters()) == {
+        k: v for k, v in model.named_parameters() if k.startswith("layers.1")
+    }
+    torch.manual_seed(1)
+    got = stages[1](stages[0](x))
+    torch.manual_seed(1)
+    want = model(x)
+    assert torch.equal(got, want)
+    assert float(model.layers[0][0].running_mean.abs().sum()) > 0  # the model's own buffers moved
+    for s in stages:
+        s.eval()
+    with torch.no_grad():
+        assert torch.equal(stages[1](stages[0](x)), model.eval()(x))
+
+    top = _TopLevelDropout().train()
+    stages, eval_stages = eager_stages(top, ["layers.1"])
+    assert eval_stages is not None and top.training  # recorded in both modes, left in its mode
+    with torch.no_grad():
+        assert torch.equal(eval_stages[1](eval_stages[0](x)), top.eval()(x))
+
+    for bad, why in [
+        (_Branchy(), "torch.fx could not record its forward"),
+        (_SizeCrossesTheCut(), "a value that is not a tensor ('size', from size) crosses a cut"),
+        (_TopLevelDropout(), "its forward never calls 'layers.0'"),
+    ]:
+        with pytest.raises(NotEager, match=re.escape(why)):
+            eager_stages(bad, ["layers.0" if isinstance(bad, _TopLevelDropout) else "layers.1"])
+
+    # the cut prepare() makes: at module boundaries, silently, the stages this rank runs
+    stages, evals, _, traced = cut_stages(_Net(), ["layers.1"], (x,), [1], say=True)
+    assert not traced and evals is None and len(stages) == 1 and capsys.readouterr().err == ""

@@ -146,8 +146,30 @@ def tensor_entries(md) -> dict[str, Any]:
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+class ShardReadError(Exception):
+    """Reading shard file `name` of a DCP folder failed with `cause`."""
+
+    def __init__(self, name: str, cause: BaseException):
+        super().__init__(f"{name}: {cause}")
+        self.name, self.cause = name, cause
+
+
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata comes from the restricted unpickler."""
+    """FileSystemReader whose metadata comes from the restricted unpickler; a shard that cannot be read is named
+    (ShardReadError)."""
+
+    def read_data(self, plan: Any, planner: Any):
+        import dataclasses
+
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():  # one file at a time: a failure is that file's
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                raise ShardReadError(name, e) from e
+        return super().read_data(dataclasses.replace(plan, items=[]), planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta

@@ -172,10 +172,13 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
         if not isinstance(cause, BaseException):
             raise ValueError(str(e).splitlines()[0]) from None
+        shard = "a shard"
+        if isinstance(cause, dcp_io.ShardReadError):
+            shard, cause = f"its shard {cause.name}", cause.cause
         if isinstance(cause, (KeyError, ValueError, RuntimeError)) and "shape" in str(cause):
             raise ValueError(str(cause).splitlines()[0]) from None
         raise ValueError(
-            f"a shard of {path} read by rank {rank} is damaged: {unreadable_reason(cause)}"
+            f"{shard} of {path} read by rank {rank} is damaged: {unreadable_reason(cause)}"
         ) from None
 
 

@@ -10,7 +10,8 @@ left running after others ended (stragglers), and says each worker's user error 
   `[rankN]:`, once, and keeps waiting, or with `--straggler-action stop` ends them (SIGKILL). SIGUSR2 to the
   launcher prints every running rank's stack at once; `ddpkit stacks [PID]` does the same from another shell.
 - A user error that workers find (a damaged checkpoint every rank loads) is written to rankN.error instead of
-  stderr; the launcher prints it once for the job.
+  stderr; the launcher prints it once for the job. A Python warning every rank gives is printed once for the
+  job (diagnostics.warn_once, claimed in the same folder).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def arm() -> None:
             out = os.fdopen(fd, "w")
             Path(job, f"rank{rank}.pid").write_text(f"{os.getpid()} {identity(os.getpid())}")
             _ARMED.update(job=job, rank=rank, file=out)
+            from ddpkit.diagnostics import warn_once
+
+            warn_once.install(job)  # a warning every rank gives is printed once for the job
         except OSError:
             out = sys.stderr
     with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # no usable stderr: no dump

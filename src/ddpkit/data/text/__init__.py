@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ddpkit.atomicio import NotRegularFile, kind_of, open_regular
 from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
 from ddpkit.data.text import tokenizer
 from ddpkit.errors import UserError
@@ -50,11 +51,13 @@ def source_files(cfg: Config) -> tuple[list[Path], str]:
     if path.is_file():
         return [path], f"data.root '{root}'"
     if not path.is_dir():
-        raise UserError(f"data.root '{root}' is neither a file nor a folder", ROOT_HINT)
+        raise UserError(
+            f"data.root '{root}' is {kind_of(path.stat().st_mode)}, not a file or a folder", ROOT_HINT
+        )
     files = sorted(
         p
         for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        if not p.is_dir() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
         raise UserError(f"data.root '{root}' holds no files", ROOT_HINT)
@@ -64,8 +67,10 @@ def source_files(cfg: Config) -> tuple[list[Path], str]:
 def _read_one(path: Path, budget: int) -> str:
     """At most `budget` bytes of `path` as text; UserError for a binary or non-UTF-8 file."""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO or device would block a plain open
             raw = fh.read(budget)
+    except NotRegularFile as e:
+        raise UserError(f"'{path}' is {e.strerror}, not a text file", ROOT_HINT) from None
     except OSError as e:
         raise UserError(f"cannot read '{path}': {e.strerror or e}", "check the file's permissions") from None
     if b"\x00" in raw:

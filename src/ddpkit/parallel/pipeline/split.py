@@ -136,6 +136,22 @@ def retie(stages: Sequence[nn.Module], wanted: Sequence[int], shared: dict) -> l
     return out
 
 
+def stage_sharing(model: nn.Module, stages: Sequence[nn.Module]) -> list[Shared]:
+    """Each parameter of `model` that several of `stages` use (stages holding the model's own modules), with
+    those stages: whose ranks sum its gradient (PipelineRunner)."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    names: dict[int, list[str]] = {}
+    for name, p in by_name.items():
+        names.setdefault(id(p), []).append(name)
+    users: dict[int, set[int]] = {}
+    for i, stage in enumerate(stages):
+        for name in _used_names(stage):
+            if name in by_name:
+                users.setdefault(id(by_name[name]), set()).add(i)
+    params = {id(p): p for p in by_name.values()}
+    return [Shared(params[k], tuple(names[k]), tuple(sorted(v))) for k, v in users.items() if len(v) > 1]
+
+
 def owned_parameters(stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """(full name, parameter) of every stage on this rank, each parameter once."""
     seen: set[int] = set()

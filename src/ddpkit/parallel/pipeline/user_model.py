@@ -11,8 +11,10 @@
     state = model.full_state()              # the whole model's state dict on rank 0 (None elsewhere)
 
 Every rank calls the same methods with the same batches (the loaders prepare() returns give the ranks of one
-pipeline the same samples). The model is cut by torch's pipeline tracer where each module of `pp_split`
-begins, on the first batch it sees; each rank keeps the stages it runs. The optimizer stays the user's: the
+pipeline the same samples). The model is cut where each module of `pp_split` begins, on the first batch it
+sees: at module boundaries (pipeline.eager: each stage calls the model's own modules, eagerly), or, where the
+forward cannot be cut there, by torch's pipeline tracer (said in one line); each rank keeps the stages it runs.
+The optimizer stays the user's: the
 parameters of stages this rank does not run get no gradient, so it leaves them alone. A parameter that stages of
 several ranks use (a token embedding tied to the output head) is the model's own in each of them, its gradient
 summed over those ranks after every step(), so each rank's copy takes the one-process update
@@ -29,6 +31,7 @@ import torch.nn as nn
 
 from ddpkit.errors import UserError
 from ddpkit.parallel.mesh import build_mesh, layout_of
+from ddpkit.parallel.pipeline.eager import cut_stages
 from ddpkit.parallel.pipeline.plan import (
     SCHEDULES,
     check_microbatches,
@@ -37,7 +40,7 @@ from ddpkit.parallel.pipeline.plan import (
     stages_per_rank,
 )
 from ddpkit.parallel.pipeline.runner import PipelineRunner, full_state
-from ddpkit.parallel.pipeline.split import check_split_names, micro_chunks, traced_stages
+from ddpkit.parallel.pipeline.split import check_split_names, micro_chunks
 
 
 class PipelineModel:
@@ -74,7 +77,8 @@ class PipelineModel:
         self.layout = layout_of(dist.get_world_size(), tp=1, pp=pp)
         self.coords = self.layout.coords(dist.get_rank())
         self.runner: PipelineRunner | None = None
-        self.batch: int | None = None  # the batch size the stages were traced for
+        self.batch: int | None = None  # the batch size of every step
+        self.fixed_batch: int | None = None  # the batch size evaluation feeds the stages (traced ones)
 
     def _built(self, x: torch.Tensor) -> PipelineRunner:
         """The runner, tracing the model on the first micro-batch seen."""
@@ -88,7 +92,11 @@ class PipelineModel:
                 )
             self.batch = len(x) // self.microbatches * self.microbatches
             example = (x[: self.batch // self.microbatches].to(self.device),)
-            stages, eval_stages, shared = traced_stages(self.model, self.names, example, ids)
+            stages, eval_stages, shared, traced = cut_stages(
+                self.model, self.names, example, ids, say=dist.get_rank() == 0
+            )
+            if traced:  # traced stages take one micro-batch size: evaluation cuts and pads to it
+                self.fixed_batch = len(example[0])
             self.runner = PipelineRunner(
                 stages,
                 schedule=self.schedule,
@@ -140,8 +148,7 @@ class PipelineModel:
                 yield first
             yield from batches
 
-        piece = self.batch // self.microbatches
-        loss_sum, n = runner.evaluate(again(), score, 2, fixed_batch=piece).tolist()
+        loss_sum, n = runner.evaluate(again(), score, 2, fixed_batch=self.fixed_batch).tolist()
         return loss_sum / n if n else float("nan")
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
