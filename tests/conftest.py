@@ -41,17 +41,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
+PORT_SLOTS = 12  # port ranges on this machine, one per test process running at once (any test run)
+
+
 def _worker_ports() -> range:
-    """This test worker's own ports: apart from every other worker's, and below the kernel's ephemeral range,
-    from which bind(port 0) and every outgoing connection on the machine draw theirs."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    """This test process's own ports: apart from every other test process's on the machine (an xdist worker of
+    this run or of another run beside it), and below the kernel's ephemeral range, from which bind(port 0) and
+    every outgoing connection on the machine draw theirs. A range is a slot held by an flock for the
+    process's life, so two processes at once can never hold the same one."""
+    import fcntl
+
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    span = min(400, (min(low, 15000) - 10000) // 12)  # Slurm's derived ports (15000-34999) stay clear too
-    return range(10000 + index * span, 10000 + (index + 1) * span)
+    span = min(400, (min(low, 15000) - 10000) // PORT_SLOTS)  # Slurm's derived ports (15000-34999) stay clear
+    slots = Path(tempfile.gettempdir()) / "ddpkit-test-port-slots"
+    slots.mkdir(exist_ok=True)
+    for index in range(PORT_SLOTS):
+        held = open(slots / f"{index}.lock", "a")  # noqa: SIM115  (kept open: the flock lives with the process)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            continue
+        _SLOT.append(held)
+        return range(10000 + index * span, 10000 + (index + 1) * span)
+    raise RuntimeError(f"all {PORT_SLOTS} test port ranges are held by test processes running now ({slots})")
 
 
-_PORTS = _worker_ports()
+_SLOT: list = []
+_PORTS: list[
+    range
+] = []  # this process's range, claimed at its first free_port() (a rank of a pool claims none)
 _next_port = 0
 
 
@@ -60,8 +79,11 @@ def free_port() -> int:
     test worker draws from its own range in turn (a test worker runs one test at a time), skipping any port
     that something still holds."""
     global _next_port
-    for _ in range(len(_PORTS)):
-        port = _PORTS[_next_port % len(_PORTS)]
+    if not _PORTS:
+        _PORTS.append(_worker_ports())
+    ports = _PORTS[0]
+    for _ in range(len(ports)):
+        port = ports[_next_port % len(ports)]
         _next_port += 1
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -69,7 +91,7 @@ def free_port() -> int:
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"every port of this test worker's range {_PORTS} is held")
+    raise RuntimeError(f"every port of this test process's range {ports} is held")
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

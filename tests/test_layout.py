@@ -291,3 +291,22 @@ def test_no_import_cycle_between_modules():
     graph = {name: _top_level_imports(path, set(modules)) - {name} for name, path in modules.items()}
     assert sum(map(len, graph.values())) > 200  # the scan sees the imports
     assert _a_cycle(graph) == [], "modules that import each other: move what both need below them"
+
+
+def test_two_test_processes_at_once_never_share_a_port_range():
+    # a test run beside another (or a second xdist worker) must draw its ports from a range no one else holds
+    import subprocess
+    import sys
+
+    import conftest
+
+    mine = conftest.free_port()
+    other = subprocess.run(
+        [sys.executable, "-c", "import conftest; p = conftest.free_port(); r = conftest._PORTS[0]; print(r.start, r.stop, p)"],
+        cwd=REPO / "tests", capture_output=True, text=True, timeout=120, env=conftest.cli_env(),
+    )  # fmt: skip
+    assert other.returncode == 0, other.stderr[-2000:]
+    start, stop, port = map(int, other.stdout.split())
+    theirs = range(start, stop)
+    assert mine in conftest._PORTS[0] and port in theirs and mine != port
+    assert set(conftest._PORTS[0]).isdisjoint(theirs)
