@@ -48,9 +48,13 @@ class _SeedWorker:
             self.user_fn(worker_id)
 
 
-def _loader_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped."""
+def _loader_kwargs(kwargs: dict[str, Any], dataset: Dataset) -> dict[str, Any]:
+    """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped;
+    without a collate_fn, the data set's own `ddpkit_collate` when it has one (ddpkit's in-memory sets hand over
+    whole batches, stacked already)."""
     out = dict(kwargs)
+    if out.get("collate_fn") is None and hasattr(dataset, "ddpkit_collate"):
+        out["collate_fn"] = dataset.ddpkit_collate
     workers = int(out.get("num_workers") or 0)
     if out.get("pin_memory") and not torch.cuda.is_available():
         out["pin_memory"] = False  # pinning without a GPU only costs memory (and warns)
@@ -109,7 +113,7 @@ class DistributedLoader:
         # random stream as before it was ported.
         self.sampler.draw_seed = plain_rng
         self._user_generator = plain_rng or loader_kwargs.get("generator") is not None
-        kwargs = _loader_kwargs(loader_kwargs)
+        kwargs = _loader_kwargs(loader_kwargs, dataset)
         if not plain_rng:
             kwargs.setdefault("generator", self._generator(0))
         self.loader = DataLoader(
@@ -223,7 +227,11 @@ def eval_loader(
     if loader_kwargs.get("generator") is None and not plain_rng:
         loader_kwargs["generator"] = torch.Generator().manual_seed(0)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **_loader_kwargs(loader_kwargs)
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=False,
+        **_loader_kwargs(loader_kwargs, dataset),
     )
 
 

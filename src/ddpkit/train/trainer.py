@@ -88,7 +88,10 @@ class Trainer:
             stream_rank=self.coords["dp"],
         )
         ck = cfg.checkpoint
-        self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
+        # the ranks agree on a stop or a timed checkpoint at the log points (train.log_every) and epoch ends
+        self.stop = StopAgreement(
+            ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes, check_every=0
+        )
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
@@ -208,10 +211,11 @@ class Trainer:
                     self.pipeline.progress_sums(state.sums) if self.pipeline else state.sums,
                     cfg.train.log_every,
                 )
-                if done % cfg.train.log_every == 0:
+                log_point = done % cfg.train.log_every == 0
+                if log_point:
                     self.nonfinite.check(state.step)
                 self.heartbeat.step = state.step
-                decision = self.stop.poll(state.step)
+                decision = self.stop.poll(state.step, force=log_point)
                 if decision.stop or state.step >= self.total_steps:
                     break
                 if decision.checkpoint and done < self.steps_per_epoch:
