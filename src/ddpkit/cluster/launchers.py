@@ -7,6 +7,8 @@ LSF jsrun, PBS pbsdsh), asked in order; a package adds one with `register_launch
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -226,8 +228,11 @@ for _detector in (
     register_launcher(_detector)
 
 
+@functools.cache
 def _entry_point_detectors() -> None:
-    """Launchers that installed packages declare (entry point group ddpkit.launchers), loaded once."""
+    """Launchers that installed packages declare (entry point group ddpkit.launchers), loaded once a process:
+    the scan of every installed package's metadata costs tens of milliseconds, and the table is asked on every
+    rank/world-size query outside a process group."""
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=DETECTOR_ENTRY_POINT_GROUP):

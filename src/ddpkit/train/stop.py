@@ -112,18 +112,24 @@ class NonFiniteLoss:
 
     def __init__(self, policy: str, device: torch.device, is_main: bool, warn=print):
         self.policy, self.is_main, self.warn = policy, is_main, warn
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # a non-finite loss since the last look
+        # the sum of the losses since the last look: non-finite when one of them was (one device op a micro-batch)
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def see(self, loss: torch.Tensor) -> None:
         """Note one micro-batch's loss."""
-        self.bad |= ~torch.isfinite(loss.detach())
+        self.total.add_(loss.detach())
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """True (on the device) when a loss since the last look was non-finite."""
+        return ~torch.isfinite(self.total)
 
     def skip_step(self, step: int) -> bool:
         """`skip`: True on every rank when any rank saw a non-finite loss during optimizer step `step`."""
         if self.policy != "skip":
             return False
         skip = all_reduce_sum(self.bad.double().reshape(1)).item() > 0
-        self.bad.zero_()
+        self.total.zero_()
         if skip:
             self.warn(f"ddpkit: warning: non-finite loss at step {step}; step skipped (train.nonfinite=skip)")
         return skip
@@ -133,7 +139,7 @@ class NonFiniteLoss:
         if self.policy != "stop":
             return
         # every rank's flag in one small all_reduce (an object all-gather is two collectives and a pickle)
-        mine = torch.zeros(get_world_size(), dtype=torch.float64, device=self.bad.device)
+        mine = torch.zeros(get_world_size(), dtype=torch.float64, device=self.total.device)
         mine[get_rank()] = self.bad.double()
         flags = all_reduce_sum(mine).tolist()
         if any(flags):

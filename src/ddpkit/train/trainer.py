@@ -194,6 +194,8 @@ class Trainer:
         state.begin_epoch(epoch)
         if self.pipeline is not None:
             self.pipeline.begin_epoch(state.sums)
+        if self.pipeline is None:
+            self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
@@ -254,7 +256,6 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
-        self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
             x, y = to_device(x, y, self.device, self.cfg.model.channels_last)
             # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
@@ -262,7 +263,7 @@ class Trainer:
                 with self.autocast():
                     logits = self.wrapped(x)
                 loss = self.task.loss(logits, y)
-                self.scaler.scale(loss / accum).backward()
+                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
             if self.counts:  # tensor-parallel peers computed the same numbers
                 self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
