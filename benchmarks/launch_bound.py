@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, machine_line, md_table, python, read_jsonl, run_streaming  # noqa: E402
+import _common as common  # noqa: E402
 from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
 
 SEED = 0
@@ -51,9 +51,9 @@ VAL_SIZE = 256
 
 def data_overrides(net: str, workers: int) -> list[str]:
     """The Config keys that define the data (and the net), shared by both sides."""
-    common = ["data.augment=false", f"data.num_workers={workers}", f"seed={SEED}", "train.label_smoothing=0"]
+    shared = ["data.augment=false", f"data.num_workers={workers}", f"seed={SEED}", "train.label_smoothing=0"]
     if net == "digits":
-        return ["data.dataset=digits", "model.arch=cnn", *common]
+        return ["data.dataset=digits", "model.arch=cnn", *shared]
     return [
         "data.dataset=synthetic",
         f"data.synthetic_size={MLP_SIZE}",
@@ -61,27 +61,20 @@ def data_overrides(net: str, workers: int) -> list[str]:
         "data.image_size=32",
         "model.num_classes=10",
         "model.arch=mlp",
-        *common,
+        *shared,
     ]
 
 
 def ddpkit_command(net: str, batch: int, nproc: int, workers: int, epochs: int, device: str, out: str):
     return [
-        python(),
+        common.python(),
         "-m",
         "ddpkit",
         "train",
         *data_overrides(net, workers),
         f"train.batch_size={batch}",
         f"train.epochs={epochs}",
-        "optim.name=sgd",
-        f"optim.lr={LR}",
-        "optim.ref_batch_size=null",
-        "optim.schedule=constant",
-        "optim.warmup_epochs=0",
-        f"optim.momentum={MOMENTUM}",
-        "optim.nesterov=true",
-        f"optim.weight_decay={WEIGHT_DECAY}",
+        *common.sgd_overrides(LR, MOMENTUM, WEIGHT_DECAY),
         "eval.every=1000",
         "report.curves=false",
         "checkpoint.resume=none",
@@ -93,9 +86,9 @@ def ddpkit_command(net: str, batch: int, nproc: int, workers: int, epochs: int, 
 
 def plain_command(net: str, batch: int, nproc: int, workers: int, epochs: int, device: str, out: str):
     launch = (
-        [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        [common.python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
         if nproc > 1
-        else [python()]
+        else [common.python()]
     )
     return [
         *launch,
@@ -181,7 +174,9 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(sums)
         loss_sum, correct, count = sums.tolist()  # waits for the device
         elapsed = time.perf_counter() - t0
-        rows.append({"epoch": epoch, "epoch_time_s": elapsed, "images": count, "train_loss": loss_sum / count})
+        rows.append(
+            {"epoch": epoch, "epoch_time_s": elapsed, "images": count, "train_loss": loss_sum / count}
+        )
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows))
     if distributed:
@@ -196,7 +191,9 @@ def worker(args: argparse.Namespace) -> None:
 def timed(rows: list[dict[str, Any]], epochs: int) -> tuple[float, float]:
     """(images, seconds) of epochs 2 .. epochs-1."""
     window = [r for r in rows if 2 <= int(r["epoch"]) <= epochs - 1]
-    images = sum(r["images"] if "images" in r else r["train_images_per_s"] * r["epoch_time_s"] for r in window)
+    images = sum(
+        r["images"] if "images" in r else r["train_images_per_s"] * r["epoch_time_s"] for r in window
+    )
     return images, sum(r["epoch_time_s"] for r in window)
 
 
@@ -208,15 +205,25 @@ def run_side(side: str, setting: tuple, epochs: int, device: str, echo: bool) ->
         cmd = build(net, batch, nproc, workers, epochs, device, out)
         load = os.getloadavg()[0]
         b0, c0 = _busy_s(), _children_cpu_s()
-        rc, wall, lines = run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
+        rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
         b1, c1 = _busy_s(), _children_cpu_s()
         if rc != 0:
             tail = "\n".join(line for _, line in lines[-25:])
             raise SystemExit(f"{side} {setting} failed with exit code {rc}:\n{tail}")
-        rows = read_jsonl(Path(out) / "metrics.jsonl") if side == "ddpkit" else json.loads(Path(out).read_text())
+        rows = (
+            common.read_jsonl(Path(out) / "metrics.jsonl")
+            if side == "ddpkit"
+            else json.loads(Path(out).read_text())
+        )
     images, seconds = timed(rows, epochs)
     other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
-    return {"side": side, "images_per_s": images / seconds, "load1": load, "other_cores": other, "wall_s": wall}
+    return {
+        "side": side,
+        "images_per_s": images / seconds,
+        "load1": load,
+        "other_cores": other,
+        "wall_s": wall,
+    }
 
 
 def settings(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -257,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         for side, cmd in commands(args):
             print(f"{side}: OMP_NUM_THREADS=1 {' '.join(cmd)}")
         return 0
-    m = machine()
-    print(f"launch-bound ddpkit train vs a hand-written loop: {machine_line(m)}", flush=True)
+    m = common.machine()
+    print(f"launch-bound ddpkit train vs a hand-written loop: {common.machine_line(m)}", flush=True)
     table, raw_runs, ratios = [], [], []
     for setting in settings(args):
         runs = []
@@ -272,14 +279,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs.append(r)
         med = {
-            s: statistics.median(r["images_per_s"] for r in runs if r["side"] == s) for s in ("ddpkit", "plain")
+            s: statistics.median(r["images_per_s"] for r in runs if r["side"] == s)
+            for s in ("ddpkit", "plain")
         }
         ratio = med["ddpkit"] / med["plain"]
         ratios.append(ratio)
         each = " / ".join(
             f"{a['images_per_s'] / b['images_per_s']:.2f}"
             for a, b in zip(
-                [r for r in runs if r["side"] == "ddpkit"], [r for r in runs if r["side"] == "plain"], strict=True
+                [r for r in runs if r["side"] == "ddpkit"],
+                [r for r in runs if r["side"] == "plain"],
+                strict=True,
             )
         )
         loads = [r["load1"] for r in runs]
@@ -295,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         raw_runs.append({"setting": setting, "runs": runs, "ratio": ratio})
     print()
-    print(f"Machine: {machine_line(m)}")
+    print(f"Machine: {common.machine_line(m)}")
     print(f"Command: python benchmarks/launch_bound.py {' '.join(raw)}".rstrip())
     print()
     headers = ["net", "batch/process", "processes", "workers", "ddpkit images/s (median)"]
     headers += ["plain images/s (median)", "ddpkit / plain", "rounds (ddpkit / plain)", "load average 1 min"]
-    print(md_table(headers, table))
+    print(common.md_table(headers, table))
     print()
     verdict = "PASS" if min(ratios) >= 0.97 else "FAIL"
     print(f"lowest ratio {min(ratios):.3f} (target >= 0.97 at every setting): {verdict}")

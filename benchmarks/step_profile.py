@@ -66,10 +66,14 @@ def loop_epochs(trainer, batch: int):
     from torch.utils.data import DataLoader, TensorDataset
 
     xs, ys = zip(*(trainer.train_set[i] for i in range(len(trainer.train_set))), strict=True)
-    loader = DataLoader(TensorDataset(torch.stack(xs), torch.tensor(ys)), batch_size=batch, shuffle=True, drop_last=True)
+    loader = DataLoader(
+        TensorDataset(torch.stack(xs), torch.tensor(ys)), batch_size=batch, shuffle=True, drop_last=True
+    )
     torch.manual_seed(SEED)
     model = copy.deepcopy(trainer.model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
+    )
     criterion = torch.nn.CrossEntropyLoss()
 
     def run(n: int) -> tuple[int, float]:

@@ -39,7 +39,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, machine_line, md_table, python, read_jsonl, run_streaming  # noqa: E402
+from _common import (  # noqa: E402
+    machine,
+    machine_line,
+    md_table,
+    python,
+    read_jsonl,
+    run_streaming,
+    sgd_overrides,
+)
 
 SEED = 0
 LR = 0.1
@@ -72,14 +80,7 @@ def ddpkit_command(steps: int, batch: int, nproc: int, out_dir: str) -> list[str
         "model.arch=resnet18",
         f"train.batch_size={batch}",
         "train.epochs=2",
-        "optim.name=sgd",
-        f"optim.lr={LR}",
-        "optim.ref_batch_size=null",
-        "optim.schedule=constant",
-        "optim.warmup_epochs=0",
-        f"optim.momentum={MOMENTUM}",
-        "optim.nesterov=true",
-        f"optim.weight_decay={WEIGHT_DECAY}",
+        *sgd_overrides(LR, MOMENTUM, WEIGHT_DECAY),
         "eval.every=1000",
         "checkpoint.resume=none",
         f"out_dir={out_dir}",

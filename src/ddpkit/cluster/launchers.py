@@ -8,7 +8,6 @@ LSF jsrun, PBS pbsdsh), asked in order; a package adds one with `register_launch
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
