@@ -1,8 +1,9 @@
 """Where a launch-bound step's time goes: ddpkit's Trainer and a hand-written loop, the same work, in one process.
 
 Both train the built-in CNN on the in-memory digits (or the MLP on synthetic images; batch 64, no augmentation,
-SGD, constant lr, OMP_NUM_THREADS=1) for --epochs epochs, alternately --rounds times, and report the median time
-per optimizer step of each; with --profile, cProfile's top functions (by own time) of one more epoch of each,
+SGD, constant lr, OMP_NUM_THREADS=1) for --epochs epochs, alternately --rounds times, and report the median CPU
+time of this process per optimizer step of each (CPU time, not wall time: on a machine shared with other work it
+still counts only what each side does); with --profile, cProfile's top functions (by own time) of one more epoch of each,
 what ddpkit calls per step that the loop does not.
 
     OMP_NUM_THREADS=1 python benchmarks/step_profile.py                      # digits, 3 rounds
@@ -50,10 +51,10 @@ def trainer_epochs(out_dir: str, net: str, batch: int, epochs: int):
     trainer.log.open()
 
     def run(n: int) -> tuple[int, float]:
-        t0, step0 = time.perf_counter(), trainer.state.step
+        t0, step0 = time.process_time(), trainer.state.step
         for _ in range(n):
             trainer.train_epoch(trainer.state.epoch + 1)
-        return trainer.state.step - step0, time.perf_counter() - t0
+        return trainer.state.step - step0, time.process_time() - t0
 
     return trainer, run
 
@@ -77,7 +78,7 @@ def loop_epochs(trainer, batch: int):
     criterion = torch.nn.CrossEntropyLoss()
 
     def run(n: int) -> tuple[int, float]:
-        t0, steps = time.perf_counter(), 0
+        t0, steps = time.process_time(), 0
         for _ in range(n):
             model.train()
             sums = torch.zeros(3, dtype=torch.float64)
@@ -91,7 +92,7 @@ def loop_epochs(trainer, batch: int):
                 sums += torch.stack([loss.detach().double() * nb, (logits.argmax(1) == y).sum().double(), nb])
                 steps += 1
             sums.tolist()
-        return steps, time.perf_counter() - t0
+        return steps, time.process_time() - t0
 
     return run
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.net} batch {args.batch}, 1 process, load average {load:.1f}")
         for side in ("ddpkit", "plain"):
             rounds = ", ".join(f"{v:.3f}" for v in per_step[side])
-            print(f"  {side}: median {med[side]:.3f} ms/step (rounds {rounds})")
+            print(f"  {side}: median {med[side]:.3f} CPU ms/step (rounds {rounds})")
         print(f"  ddpkit / plain speed: {med['plain'] / med['ddpkit']:.3f}")
         if args.profile:
             for side, run in (("ddpkit", ddpkit_run), ("plain", plain_run)):

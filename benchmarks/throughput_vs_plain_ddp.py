@@ -67,6 +67,7 @@ def data_overrides(steps: int, batch: int, nproc: int) -> list[str]:
         "data.num_workers=0",
         "model.num_classes=10",
         f"seed={SEED}",
+        "train.label_smoothing=0",  # the plain loop's plain cross-entropy
     ]
 
 
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, help="also write the raw results here")
     p.add_argument("--echo", action="store_true", help="show the runs' output")
+    p.add_argument("--dry-run", action="store_true", help="print the two commands, run nothing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument(
@@ -372,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(raw)
     if args.worker:
         worker(args)
+        return 0
+    if args.dry_run:
+        device = [f"dist.device={args.device}", f"data.num_workers={args.workers}"]
+        print("ddpkit:", " ".join([*ddpkit_command(args.steps, args.batch, args.nproc, "OUT"), *device]))
+        plain = plain_command(args.steps, args.batch, args.nproc, "OUT")
+        print("plain:", " ".join([*plain, "--device", args.device, "--workers", str(args.workers)]))
         return 0
     m = machine()
     print(f"throughput ddpkit train vs plain DDP: {machine_line(m)}", flush=True)

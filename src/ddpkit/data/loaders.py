@@ -120,6 +120,9 @@ class DistributedLoader:
             dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=False, **kwargs
         )
         self.num_workers = self.loader.num_workers
+        # move(batches) -> the batches on the device (data.prefetch.DeviceBatches: on CUDA one batch ahead); a
+        # batch counts as consumed when it is handed over, not when it was drawn ahead
+        self.move: Callable[[Any], Iterator[Any]] | None = None
         self._running: tuple[int, int] | None = None  # (epoch, start) of the pass in progress
         self._done = 0  # micro-batches the pass in progress (or the last one) has yielded
         self._stopped: tuple[int, int, int] | None = (
@@ -180,11 +183,14 @@ class DistributedLoader:
             self.loader.generator = self._generator(epoch)
         self._running, self._done, self._stopped = (epoch, start), 0, None
         total = len(self)
+        batches = self.loader if self.move is None else self.move(self.loader)
         try:
-            for batch in self.loader:
+            for batch in batches:
                 self._done += 1
                 yield batch
         finally:
+            if self.move is not None:
+                batches.close()  # type: ignore[union-attr]
             self._running = None
             if s.explicit == explicit:  # nobody chose the next epoch during the pass: move on
                 if self._done < total:

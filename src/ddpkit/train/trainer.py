@@ -22,6 +22,7 @@ from ddpkit import config as config_mod
 from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
+from ddpkit.data.prefetch import DeviceBatches
 from ddpkit.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -117,6 +118,8 @@ class Trainer:
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
+        # micro-batches reach the device before their step: on CUDA the next one is copied while one computes
+        self.train_loader.move = DeviceBatches(self.device, cfg.model.channels_last)
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
