@@ -18,6 +18,8 @@ SMALL = ["data.augment=false", "model.arch=mlp", "optim.schedule=constant", "opt
 
 # What makes the host wait for the device (on a GPU every one of them ends the overlap of host and device).
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+# A memory-format conversion: a copy of the batch (an MLP's inputs have no use for channels_last, the default).
+COPIES = ("contiguous",)
 # The collectives a Python caller can start (DDP's own gradient all-reduce runs inside its C++ reducer).
 COLLECTIVES = (
     "all_reduce",
@@ -55,8 +57,8 @@ class Counter:
 
 
 def _between_log_points(rank: int, world_size: int, out_dir: str, steps: int) -> dict[str, int]:
-    """Train `steps` + 1 optimizer steps with train.log_every past them; count host reads and Python-level
-    collectives from the end of the first step (start-up, memory probe) to the end of the loop."""
+    """Train `steps` + 1 optimizer steps with train.log_every past them; count host reads, memory-format copies
+    and Python-level collectives from the end of the first step (start-up, memory probe) to the end of the loop."""
     cfg = load_config(
         None,
         [f"out_dir={out_dir}", *SMALL, "train.batch_size=16", f"train.max_steps={steps + 1}"]
@@ -65,10 +67,10 @@ def _between_log_points(rank: int, world_size: int, out_dir: str, steps: int) ->
     trainer = Trainer(cfg, dist_context(rank, world_size))
     assert trainer.steps_per_epoch > steps + 1  # the loop ends at max_steps, not at the epoch's last step
     counter = Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS + COPIES}
     saved_dist = {name: getattr(dist, name) for name in COLLECTIVES}
     saved_sync = torch.cuda.synchronize
-    for name in HOST_READS:
+    for name in HOST_READS + COPIES:
         counter.wrap(torch.Tensor, name)
     for name in COLLECTIVES:
         counter.wrap(dist, name)
@@ -99,7 +101,8 @@ def _between_log_points(rank: int, world_size: int, out_dir: str, steps: int) ->
 @pytest.mark.slow
 def test_steps_between_log_points_read_nothing_from_the_device_and_start_no_collective(tmp_path):
     # 2 ranks (DDP over gloo), 12 steps between log points: the stop agreement, the non-finite check and the
-    # progress line wait for a log point; the loss and accuracy sums stay on the device until then.
+    # progress line wait for a log point; the loss and accuracy sums stay on the device until then; the MLP's
+    # batches are not converted to channels_last (model.channels_last=true, the default, is for convolutions).
     results = run_group(_between_log_points, 2, str(tmp_path / "run"), 12)
     assert results == [{}, {}], results
 

@@ -119,7 +119,13 @@ class Trainer:
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
         # micro-batches reach the device before their step: on CUDA the next one is copied while one computes
-        self.train_loader.move = DeviceBatches(self.device, cfg.model.channels_last)
+        # channels_last inputs only for a model with convolutions (an MLP's or a GPT's would be copied for nothing)
+        parts = (
+            self.model if isinstance(self.model, (list, tuple)) else [self.model]
+        )  # a pipeline's: its stages
+        convolutions = any(p.dim() == 4 for part in parts for p in part.parameters())
+        self.channels_last = cfg.model.channels_last and convolutions
+        self.train_loader.move = DeviceBatches(self.device, self.channels_last)
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
@@ -260,7 +266,7 @@ class Trainer:
     def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
         for i, (x, y) in enumerate(micro_batches):
-            x, y = to_device(x, y, self.device, self.cfg.model.channels_last)
+            x, y = to_device(x, y, self.device, self.channels_last)
             # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
             with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
                 with self.autocast():
@@ -283,7 +289,7 @@ class Trainer:
             self.criterion,
             self.autocast,
             self.strategy.collective_forward or self.layout.tp > 1,
-            self.cfg.model.channels_last,
+            self.channels_last,
             task=self.task,
             counts=self.counts,
         )
