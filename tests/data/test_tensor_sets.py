@@ -62,3 +62,11 @@ def test_ddpkit_loaders_hand_over_whole_batches_of_their_own_sets():
     ds = SyntheticImages(10, 10, 8, seed=0, split=1)
     (x, y), (x2, y2) = eval_loader(ds, 6, rank=0, world_size=1)
     assert x.shape == (6, 3, 8, 8) and torch.equal(y, ds.labels[:6]) and torch.equal(x2, ds.images[6:])
+
+
+def test_a_converted_loader_over_them_keeps_the_whole_batches():
+    from ddpkit.data.loaders import convert_loader
+
+    ds = SyntheticImages(12, 10, 8, seed=0, split=0)
+    (x, y), *_ = convert_loader(DataLoader(ds, batch_size=4), rank=0, world_size=1)
+    assert x.shape == (4, 3, 8, 8) and torch.equal(y, ds.labels[:4])

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
 from ddpkit.distributed.collectives import derive_seed, get_rank, get_world_size
@@ -50,10 +57,10 @@ class _SeedWorker:
 
 def _loader_kwargs(kwargs: dict[str, Any], dataset: Dataset) -> dict[str, Any]:
     """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped;
-    without a collate_fn, the data set's own `ddpkit_collate` when it has one (ddpkit's in-memory sets hand over
-    whole batches, stacked already)."""
+    with no collate_fn of the caller's own (none, or torch's default), the data set's `ddpkit_collate` when it
+    has one (ddpkit's in-memory sets hand over whole batches, stacked already)."""
     out = dict(kwargs)
-    if out.get("collate_fn") is None and hasattr(dataset, "ddpkit_collate"):
+    if out.get("collate_fn") in (None, default_collate) and hasattr(dataset, "ddpkit_collate"):
         out["collate_fn"] = dataset.ddpkit_collate
     workers = int(out.get("num_workers") or 0)
     if out.get("pin_memory") and not torch.cuda.is_available():
