@@ -93,5 +93,19 @@ def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
+def sgd_overrides(lr: float, momentum: float, weight_decay: float) -> list[str]:
+    """`ddpkit train` keys for what a hand-written loop does: SGD (Nesterov) at a constant lr, no scaling."""
+    return [
+        "optim.name=sgd",
+        f"optim.lr={lr}",
+        "optim.ref_batch_size=null",
+        "optim.schedule=constant",
+        "optim.warmup_epochs=0",
+        f"optim.momentum={momentum}",
+        "optim.nesterov=true",
+        f"optim.weight_decay={weight_decay}",
+    ]
+
+
 def python() -> str:
     return sys.executable

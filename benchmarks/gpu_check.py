@@ -1,12 +1,18 @@
 """The GPU paths in one call: NCCL, AMP (bf16, fp16), channels_last, compile, FSDP2/ZeRO-2, offload and
-activation checkpointing on one CUDA device, each through the real `ddpkit` commands.
+activation checkpointing on one CUDA device, each through the real `ddpkit` commands; then throughput against
+hand-written loops: the launch-bound comparison (launch_bound.py, workers 0 and 4), resnet18 32x32 batch 256
+against a plain DDP loop (throughput_vs_plain_ddp.py, workers 0 and 4, as RESULTS section 12) and ResNet-50
+224x224 bf16 + channels_last on synthetic images (images/s).
 
-    python benchmarks/gpu_check.py --out DIR        # about 5 minutes on one H100/H200
+    python benchmarks/gpu_check.py --out DIR        # about 8 minutes on one H100/H200
+    python benchmarks/gpu_check.py --out DIR --dry-run   # the commands it would run, nothing run (any machine)
+    python benchmarks/gpu_check.py --out DIR --parts paths resnet50
 
-Every case is a subprocess of `python -m ddpkit ...`; the script reads each run's metrics.jsonl and prints one
-table (case, exit code, wall seconds, final validation figure, training throughput). With one GPU, multi-rank
-NCCL layouts (tp, pp, dp > 1) cannot run (NCCL refuses two ranks on one device); the case
-`two_ranks_one_gpu` checks that ddpkit says so in one line before any worker starts.
+Every case is a subprocess; the script reads each run's metrics.jsonl (the comparisons: their own tables) and
+prints one table at the end (case, exit code, wall seconds, final validation figure, training throughput, ratio
+to the hand-written loop). With one GPU, multi-rank NCCL layouts (tp, pp, dp > 1) cannot run (NCCL refuses two
+ranks on one device); the case `two_ranks_one_gpu` checks that ddpkit says so in one line before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import read_jsonl  # noqa: E402
+from _common import md_table, read_jsonl  # noqa: E402
 
 DIGITS = ["train.epochs=15", "seed=0"]
 RESNET = [
@@ -52,6 +58,42 @@ CASES: list[tuple[str, list[str]]] = [
     ("two_ranks_one_gpu", ["train", *DIGITS, "--nproc-per-node", "2"]),
 ]
 
+# ResNet-50 at 224x224, bf16 + channels_last, on synthetic images made once (1,536 of them fit the made-once
+# budget): images/s of the model, not of the generator
+RESNET50 = [
+    "data.dataset=synthetic",
+    "model.arch=resnet50",
+    "data.image_size=224",
+    "data.synthetic_size=1536",
+    "data.synthetic_val_size=128",
+    "data.augment=false",
+    "data.num_workers=4",
+    "train.batch_size=128",
+    "train.epochs=3",
+    "train.amp=bf16",
+    "model.channels_last=true",
+]
+CASES.append(("resnet50_224_bf16_cl", ["train", *RESNET50]))
+
+BENCH = Path(__file__).resolve().parent
+# The comparisons with hand-written loops: (name, script arguments); each prints its own table.
+COMPARISONS: list[tuple[str, list[str]]] = [
+    (
+        "launch_bound",
+        [str(BENCH / "launch_bound.py"), "--device", "cuda", "--nprocs", "1", "--batches", "256"]
+        + ["--workers", "0", "4", "--rounds", "2", "--epochs", "5"],
+    ),
+    *(
+        (
+            f"resnet18_vs_plain_w{w}",
+            [str(BENCH / "throughput_vs_plain_ddp.py"), "--device", "cuda", "--nproc", "1", "--batch", "256"]
+            + ["--steps", "100", "--reps", "2", "--wait-quiet", "0", "--workers", str(w)],
+        )
+        for w in (0, 4)
+    ),
+]
+PARTS = ("comm", "paths", "resnet50", "comparisons")
+
 
 def last_metrics(run: Path) -> dict:
     out: dict = {}
@@ -60,11 +102,8 @@ def last_metrics(run: Path) -> dict:
     return out
 
 
-def run_case(name: str, args: list[str], root: Path, timeout: float) -> dict:
+def run_case(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
     run = root / name
-    cmd = [sys.executable, "-m", "ddpkit", *args]
-    if args[0] == "train":
-        cmd.append(f"out_dir={run}")
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -81,13 +120,71 @@ def run_case(name: str, args: list[str], root: Path, timeout: float) -> dict:
     return res
 
 
-def main() -> int:
+def train_command(name: str, args: list[str], root: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "ddpkit", *args]
+    if args[0] == "train":
+        cmd.append(f"out_dir={root / name}")
+    return cmd
+
+
+def planned(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(part, name, command) of everything this call runs, in order."""
+    out: list[tuple[str, str, list[str]]] = []
+    if "comm" in args.parts:
+        comm = ["-m", "ddpkit", "comm", "--nproc-per-node", "1", "--json", str(args.out / "comm.json")]
+        out.append(("comm", "comm_nccl", [sys.executable, *comm]))
+    for name, cargs in CASES:
+        part = "resnet50" if name.startswith("resnet50") else "paths"
+        if part in args.parts and (not args.only or name in args.only):
+            out.append((part, name, train_command(name, cargs, args.out / "runs")))
+    if "comparisons" in args.parts:
+        out += [("comparisons", name, [sys.executable, *cargs]) for name, cargs in COMPARISONS]
+    return out
+
+
+def run_comparison(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
+    """A comparison script's run: its exit code, wall time and the ratio lines of its table."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = "timeout", str(e.stdout or "")
+    (root / f"{name}.log").write_text(f"$ {' '.join(cmd)}\nrc={rc}\n{out}")
+    print(out[-4000:], flush=True)
+    table = [ln for ln in out.splitlines() if ln.startswith("|") and "**" in ln]
+    ratios = [ln.split("**")[1] for ln in table]
+    return {"case": name, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "ratio": " / ".join(ratios)}
+
+
+def summary(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        if "case" not in r:
+            continue
+        val = r.get("val_acc1", r.get("val_loss", ""))
+        speed = r.get("train_images_per_s") or r.get("train_tokens_per_s") or ""
+        rows.append([r["case"], r["rc"], r["wall_s"], val, speed, r.get("ratio", "")])
+    headers = ["case", "exit", "wall s", "final val", "throughput (/s)", "ddpkit / hand-written"]
+    return md_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", nargs="*", help="case names (default all)")
-    p.add_argument("--timeout", type=float, default=90)
-    args = p.parse_args()
+    p.add_argument("--only", nargs="*", help="case names of the paths (default all)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--timeout", type=float, default=90, help="seconds per case")
+    p.add_argument("--comparison-timeout", type=float, default=150, help="seconds per comparison")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    plan = planned(args)
+    if args.dry_run:
+        for part, name, cmd in plan:
+            print(f"{part} {name}: {' '.join(cmd)}")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runs").mkdir(exist_ok=True)
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
@@ -95,29 +192,24 @@ def main() -> int:
         info["device"] = torch.cuda.get_device_name()
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     print(json.dumps(info), flush=True)
-    results = [info]
-    t0 = time.perf_counter()
-    comm = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "comm",
-        "--nproc-per-node",
-        "1",
-        "--json",
-        str(args.out / "comm.json"),
-    ]
-    p = subprocess.run(comm, capture_output=True, text=True, timeout=180)
-    (args.out / "comm.log").write_text(p.stdout + p.stderr)
-    results.append({"case": "comm_nccl", "rc": p.returncode, "wall_s": round(time.perf_counter() - t0, 1)})
-    print(p.stdout[-3000:], p.stderr[-1500:], flush=True)
-    for name, cargs in CASES:
-        if args.only and name not in args.only:
-            continue
-        res = run_case(name, cargs, args.out / "runs", args.timeout)
+    results: list[dict] = [info]
+    for part, name, cmd in plan:
+        if part == "comparisons":
+            res = run_comparison(name, cmd, args.out, args.comparison_timeout)
+        elif part == "comm":
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+            (args.out / "comm.log").write_text(proc.stdout + proc.stderr)
+            print(proc.stdout[-3000:], proc.stderr[-1500:], flush=True)
+            res = {"case": name, "rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1)}
+        else:
+            res = run_case(name, cmd, args.out / "runs", args.timeout)
         results.append(res)
         print(json.dumps(res), flush=True)
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    print()
+    print(f"GPU: {info.get('device', 'none')}, torch {info['torch']}")
+    print(summary(results))
     return 0
 
 

@@ -38,7 +38,10 @@ def main() -> None:
     for name, ds in (("synthetic", synthetic), ("in-memory", memory)):
         for w in (0, args.workers):
             kw = {"num_workers": w, "persistent_workers": w > 0}
-            plain = DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True, **kw)
+            collate = getattr(ds, "ddpkit_collate", None)  # the synthetic set hands over stacked batches
+            plain = DataLoader(
+                ds, batch_size=args.batch, shuffle=True, drop_last=True, collate_fn=collate, **kw
+            )
             ours = distributed_loader(
                 ds, args.batch, shuffle=True, drop_last=True, rank=0, world_size=1, **kw
             )

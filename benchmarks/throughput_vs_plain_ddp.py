@@ -39,7 +39,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, machine_line, md_table, python, read_jsonl, run_streaming  # noqa: E402
+from _common import (  # noqa: E402
+    machine,
+    machine_line,
+    md_table,
+    python,
+    read_jsonl,
+    run_streaming,
+    sgd_overrides,
+)
 
 SEED = 0
 LR = 0.1
@@ -59,6 +67,7 @@ def data_overrides(steps: int, batch: int, nproc: int) -> list[str]:
         "data.num_workers=0",
         "model.num_classes=10",
         f"seed={SEED}",
+        "train.label_smoothing=0",  # the plain loop's plain cross-entropy
     ]
 
 
@@ -72,14 +81,7 @@ def ddpkit_command(steps: int, batch: int, nproc: int, out_dir: str) -> list[str
         "model.arch=resnet18",
         f"train.batch_size={batch}",
         "train.epochs=2",
-        "optim.name=sgd",
-        f"optim.lr={LR}",
-        "optim.ref_batch_size=null",
-        "optim.schedule=constant",
-        "optim.warmup_epochs=0",
-        f"optim.momentum={MOMENTUM}",
-        "optim.nesterov=true",
-        f"optim.weight_decay={WEIGHT_DECAY}",
+        *sgd_overrides(LR, MOMENTUM, WEIGHT_DECAY),
         "eval.every=1000",
         "checkpoint.resume=none",
         f"out_dir={out_dir}",
@@ -362,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, help="also write the raw results here")
     p.add_argument("--echo", action="store_true", help="show the runs' output")
+    p.add_argument("--dry-run", action="store_true", help="print the two commands, run nothing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument(
@@ -371,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(raw)
     if args.worker:
         worker(args)
+        return 0
+    if args.dry_run:
+        device = [f"dist.device={args.device}", f"data.num_workers={args.workers}"]
+        print("ddpkit:", " ".join([*ddpkit_command(args.steps, args.batch, args.nproc, "OUT"), *device]))
+        plain = plain_command(args.steps, args.batch, args.nproc, "OUT")
+        print("plain:", " ".join([*plain, "--device", args.device, "--workers", str(args.workers)]))
         return 0
     m = machine()
     print(f"throughput ddpkit train vs plain DDP: {machine_line(m)}", flush=True)

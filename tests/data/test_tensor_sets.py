@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit.data.tensor_sets import TensorImageDataset
+from ddpkit.data.loaders import eval_loader
+from ddpkit.data.tensor_sets import SyntheticImages, TensorImageDataset, collate
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ def test_a_batch_at_once_equals_sample_by_sample_from_the_same_seed(shift, flip,
     torch.manual_seed(5)
     one_by_one = default_collate([ds[i] for i in order])
     torch.manual_seed(5)
-    batched = default_collate(ds.__getitems__(order))
+    batched = collate(ds.__getitems__(order))
     assert torch.equal(one_by_one[0], batched[0]) and torch.equal(one_by_one[1], batched[1])
     if shift or flip:  # the augmentation did something: not the plain normalised images
         assert not torch.equal(
@@ -34,6 +35,38 @@ def test_the_dataloader_takes_the_batched_path():
     calls = []
     fetch = ds.__getitems__
     ds.__getitems__ = lambda idx: calls.append(list(idx)) or fetch(idx)
-    batches = list(DataLoader(ds, batch_size=8))
+    batches = list(DataLoader(ds, batch_size=8, collate_fn=collate))
     assert calls == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
     assert [b[0].shape for b in batches] == [(8, 1, 8, 8), (8, 1, 8, 8), (4, 1, 8, 8)]
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_the_synthetic_set_is_made_once_and_gives_the_images_generated_on_access(augment, monkeypatch):
+    made = SyntheticImages(40, 10, 8, seed=3, split=0, augment=augment)
+    assert made.images is not None and made.images.shape == (40, 3, 8, 8)
+    monkeypatch.setattr("ddpkit.data.tensor_sets.SYNTHETIC_MADE_ONCE_BYTES", 0)
+    generated = SyntheticImages(40, 10, 8, seed=3, split=0, augment=augment)
+    assert generated.images is None  # too large to keep: generated on each access
+    order = [7, 0, 39, 7, 12]
+    torch.manual_seed(1)
+    a = collate(made.__getitems__(order))
+    torch.manual_seed(1)
+    b = collate(generated.__getitems__(order))
+    torch.manual_seed(1)
+    c = default_collate([made[i] for i in order])
+    for x, y in ((a, b), (a, c)):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+def test_ddpkit_loaders_hand_over_whole_batches_of_their_own_sets():
+    ds = SyntheticImages(10, 10, 8, seed=0, split=1)
+    (x, y), (x2, y2) = eval_loader(ds, 6, rank=0, world_size=1)
+    assert x.shape == (6, 3, 8, 8) and torch.equal(y, ds.labels[:6]) and torch.equal(x2, ds.images[6:])
+
+
+def test_a_converted_loader_over_them_keeps_the_whole_batches():
+    from ddpkit.data.loaders import convert_loader
+
+    ds = SyntheticImages(12, 10, 8, seed=0, split=0)
+    (x, y), *_ = convert_loader(DataLoader(ds, batch_size=4), rank=0, world_size=1)
+    assert x.shape == (4, 3, 8, 8) and torch.equal(y, ds.labels[:4])

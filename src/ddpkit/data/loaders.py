@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
 from ddpkit.distributed.collectives import derive_seed, get_rank, get_world_size
@@ -48,9 +55,13 @@ class _SeedWorker:
             self.user_fn(worker_id)
 
 
-def _loader_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped."""
+def _loader_kwargs(kwargs: dict[str, Any], dataset: Dataset) -> dict[str, Any]:
+    """DataLoader keyword arguments, with pin_memory only where a GPU can use it and worker-only ones dropped;
+    with no collate_fn of the caller's own (none, or torch's default), the data set's `ddpkit_collate` when it
+    has one (ddpkit's in-memory sets hand over whole batches, stacked already)."""
     out = dict(kwargs)
+    if out.get("collate_fn") in (None, default_collate) and hasattr(dataset, "ddpkit_collate"):
+        out["collate_fn"] = dataset.ddpkit_collate
     workers = int(out.get("num_workers") or 0)
     if out.get("pin_memory") and not torch.cuda.is_available():
         out["pin_memory"] = False  # pinning without a GPU only costs memory (and warns)
@@ -109,13 +120,16 @@ class DistributedLoader:
         # random stream as before it was ported.
         self.sampler.draw_seed = plain_rng
         self._user_generator = plain_rng or loader_kwargs.get("generator") is not None
-        kwargs = _loader_kwargs(loader_kwargs)
+        kwargs = _loader_kwargs(loader_kwargs, dataset)
         if not plain_rng:
             kwargs.setdefault("generator", self._generator(0))
         self.loader = DataLoader(
             dataset, batch_size=self.batch_size, sampler=self.sampler, drop_last=False, **kwargs
         )
         self.num_workers = self.loader.num_workers
+        # move(batches) -> the batches on the device (data.prefetch.DeviceBatches: on CUDA one batch ahead); a
+        # batch counts as consumed when it is handed over, not when it was drawn ahead
+        self.move: Callable[[Any], Iterator[Any]] | None = None
         self._running: tuple[int, int] | None = None  # (epoch, start) of the pass in progress
         self._done = 0  # micro-batches the pass in progress (or the last one) has yielded
         self._stopped: tuple[int, int, int] | None = (
@@ -176,11 +190,14 @@ class DistributedLoader:
             self.loader.generator = self._generator(epoch)
         self._running, self._done, self._stopped = (epoch, start), 0, None
         total = len(self)
+        batches = self.loader if self.move is None else self.move(self.loader)
         try:
-            for batch in self.loader:
+            for batch in batches:
                 self._done += 1
                 yield batch
         finally:
+            if self.move is not None:
+                batches.close()  # type: ignore[union-attr]
             self._running = None
             if s.explicit == explicit:  # nobody chose the next epoch during the pass: move on
                 if self._done < total:
@@ -223,7 +240,11 @@ def eval_loader(
     if loader_kwargs.get("generator") is None and not plain_rng:
         loader_kwargs["generator"] = torch.Generator().manual_seed(0)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **_loader_kwargs(loader_kwargs)
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=False,
+        **_loader_kwargs(loader_kwargs, dataset),
     )
 
 

@@ -1,12 +1,29 @@
-"""In-memory and generated image data sets (torch tensors): what the built-in digits and synthetic entries build."""
+"""In-memory and generated image data sets (torch tensors): what the built-in digits and synthetic entries build.
+
+Both hand a DataLoader whole batches: `__getitems__` (the DataLoader's batched fetch) returns a `Collated` batch,
+already stacked, which `collate` (their `ddpkit_collate`, the collate_fn ddpkit's loaders give them) passes on
+as it is: no per-sample tensors unbound and stacked again, no labels read into Python numbers.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ddpkit.distributed.collectives import derive_seed
+
+# Generated sets up to this many bytes of images are made once, when built; larger ones on each access.
+SYNTHETIC_MADE_ONCE_BYTES = 1 << 30
+
+
+class Collated(list):
+    """[images, labels] of a whole batch, stacked already (what `__getitems__` of these sets returns)."""
+
+
+def collate(batch):
+    """collate_fn for these sets: a Collated batch as it is, anything else through torch's default_collate."""
+    return list(batch) if isinstance(batch, Collated) else default_collate(batch)
 
 
 def random_shift(x: torch.Tensor, pad: int, flip: bool = False) -> torch.Tensor:
@@ -38,7 +55,13 @@ def batch_shift(x: torch.Tensor, pad: int, flip: bool = False) -> torch.Tensor:
 
 
 class TensorImageDataset(Dataset):
-    """In-memory images (N x C x H x W, float in [0, 1]) with labels: optional shift/flip, resize, normalise."""
+    """In-memory images (N x C x H x W, float in [0, 1]) with labels: optional shift/flip, resize, normalise.
+
+    Without a shift (whose zero padding must come before the normalisation) the images are normalised and resized
+    once, here: an access only indexes (and flips).
+    """
+
+    ddpkit_collate = staticmethod(collate)
 
     def __init__(
         self,
@@ -51,10 +74,18 @@ class TensorImageDataset(Dataset):
         flip: bool = False,
         size: int | None = None,
     ):
-        self.images = images
         self.labels = labels
         self.mean, self.std = float(mean), float(std)
         self.shift, self.flip, self.size = shift, flip, size
+        self.prepared = not shift  # normalised (and resized) once: an access only indexes and flips
+        if self.prepared:
+            images = self._resize((images - self.mean) / self.std)
+        self.images = images
+
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size and self.size != x.shape[-1]:
+            return F.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
+        return x
 
     def __len__(self) -> int:
         return len(self.images)
@@ -65,30 +96,33 @@ class TensorImageDataset(Dataset):
             x = random_shift(x, self.shift, self.flip)
         elif self.flip and torch.rand(()).item() < 0.5:
             x = x.flip(-1)
-        if self.size and self.size != x.shape[-1]:
-            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", align_corners=False)[0]
-        return (x - self.mean) / self.std, int(self.labels[index])
+        if not self.prepared:
+            x = (self._resize(x[None])[0] - self.mean) / self.std
+        return x, int(self.labels[index])
 
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+    def __getitems__(self, indices: list[int]) -> Collated:
         """A whole batch at once (the DataLoader's batched fetch): the same transforms as __getitem__ on a
-        tensor of samples, a few operations per batch instead of per sample."""
+        tensor of samples, a few operations per batch instead of per sample; stacked already."""
         x = self.images[indices]
         if self.shift:
             x = batch_shift(x, self.shift, self.flip)
         elif self.flip:
             x = torch.where((torch.rand(len(x)) < 0.5)[:, None, None, None], x.flip(-1), x)
-        if self.size and self.size != x.shape[-1]:
-            x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
-        x = (x - self.mean) / self.std
-        return list(zip(x.unbind(0), self.labels[indices].tolist(), strict=True))
+        if not self.prepared:
+            x = (self._resize(x) - self.mean) / self.std
+        return Collated([x, self.labels[indices]])
 
 
 class SyntheticImages(Dataset):
-    """A learnable synthetic set: a smooth per-class pattern plus per-index noise, generated on access.
+    """A learnable synthetic set: a smooth per-class pattern plus per-index noise.
 
     Everything derives from `seed`: the class patterns (shared by both splits), the labels and each
-    image's noise (a generator seeded per (seed, split, index)), so memory stays O(classes + N).
+    image's noise (a generator seeded per (seed, split, index)). A set of up to SYNTHETIC_MADE_ONCE_BYTES is
+    made once, here (a step then measures the model, not the generator); a larger one is generated on each
+    access (memory O(classes + N)), the same images either way.
     """
+
+    ddpkit_collate = staticmethod(collate)
 
     def __init__(
         self,
@@ -111,6 +145,14 @@ class SyntheticImages(Dataset):
         self.patterns = self.patterns / self.patterns.std()
         g.manual_seed(derive_seed(self.seed, 7002, self.split))
         self.labels = torch.randint(self.num_classes, (self.n,), generator=g)
+        self.images: torch.Tensor | None = None
+        if self.n * 3 * self.image_size**2 * 4 <= SYNTHETIC_MADE_ONCE_BYTES:
+            self.images = torch.stack([self._generate(i) for i in range(self.n)]) if self.n else None
+
+    def _generate(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(derive_seed(self.seed, 7003, self.split, index))
+        noise = torch.randn(3, self.image_size, self.image_size, generator=g)
+        return self.patterns[int(self.labels[index])] + self.noise * noise
 
     def __len__(self) -> int:
         return self.n
@@ -118,9 +160,16 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        y = int(self.labels[index])
-        g = torch.Generator().manual_seed(derive_seed(self.seed, 7003, self.split, index))
-        x = self.patterns[y] + self.noise * torch.randn(3, self.image_size, self.image_size, generator=g)
+        x = self.images[index] if self.images is not None else self._generate(index)
         if self.augment:
             x = random_shift(x, max(1, self.image_size // 8), flip=True)
-        return x, y
+        return x, int(self.labels[index])
+
+    def __getitems__(self, indices: list[int]) -> Collated:
+        """A whole batch at once, stacked (augmentation: batch_shift, the same stream as sample by sample)."""
+        if self.images is None or any(not 0 <= i < self.n for i in indices):
+            return Collated(default_collate([self[i] for i in indices]))
+        x = self.images[indices]
+        if self.augment:
+            x = batch_shift(x, max(1, self.image_size // 8), flip=True)
+        return Collated([x, self.labels[indices]])

@@ -14,6 +14,9 @@ import torch.nn as nn
 
 from ddpkit import data, models
 from ddpkit.config import Config
+from ddpkit.data.prefetch import (
+    to_device as to_device,  # micro-batches on the device, for the trainer's callers
+)
 from ddpkit.distributed.collectives import rank_zero_first, seed_everything
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
@@ -125,12 +128,3 @@ def load_weights(
             else "give the model.* settings it was trained with, or point checkpoint.path at a checkpoint "
             "of this model",
         ) from None
-
-
-def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device, channels_last: bool = False):
-    """A micro-batch on `device` (channels_last for 4-d images when asked)."""
-    non_blocking = device.type == "cuda"
-    x = x.to(device, non_blocking=non_blocking)
-    if channels_last and x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x, y.to(device, non_blocking=non_blocking)

@@ -25,11 +25,37 @@ class RunningSums:
     """Loss/correct/count sums kept on the device: no host sync per step; reduced over ranks once.
 
     The count is of samples (classification) or of tokens (a language model, `accuracy=False`: no accuracy).
+    A batch costs two device operations besides its accuracy: the loss sum and the hits accumulate in tensors of
+    their own, the count (known on the host) in a Python int; `t`, [loss sum, correct, count] (float64), takes
+    them in when read.
     """
 
     def __init__(self, device: torch.device, accuracy: bool = True):
-        self.t = torch.zeros(3, dtype=torch.float64, device=device)
+        self._t = torch.zeros(3, dtype=torch.float64, device=device)
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._correct = torch.zeros((), dtype=torch.int64, device=device)
+        self._n, self._pending = 0, False
         self.accuracy = accuracy
+
+    @property
+    def t(self) -> torch.Tensor:
+        """[loss sum, correct, count] so far (float64, on the device); changes to it in place are kept."""
+        self._take_in()
+        return self._t
+
+    @t.setter
+    def t(self, value: torch.Tensor) -> None:
+        self._take_in()
+        self._t = value
+
+    def _take_in(self) -> None:
+        if self._pending:
+            self._t[0] += self._loss
+            self._t[1] += self._correct
+            self._t[2] += self._n
+            self._loss.zero_()
+            self._correct.zero_()
+            self._n, self._pending = 0, False
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
         """A classification batch: its mean loss, logits (N, classes) and labels."""
@@ -37,9 +63,11 @@ class RunningSums:
 
     def count(self, loss: torch.Tensor, correct: torch.Tensor | int, n: int) -> None:
         """A batch of `n` counted units with mean loss `loss`, `correct` of them right."""
-        self.t[0] += loss.detach().double() * n
-        self.t[1] += correct
-        self.t[2] += n
+        self._loss.add_(loss.detach(), alpha=n)
+        if isinstance(correct, torch.Tensor) or correct:
+            self._correct.add_(correct)
+        self._n += n
+        self._pending = True
 
     def local(self) -> tuple[float, float | None, int]:
         """(mean loss, accuracy or None, count) of this rank so far; one host sync."""

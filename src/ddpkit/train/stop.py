@@ -16,7 +16,9 @@ import torch
 from ddpkit.distributed.collectives import all_reduce_sum, get_rank, get_world_size
 from ddpkit.errors import Preempted, TrainingFailure
 
-# How often (optimizer steps) the ranks compare notes on signals and the clock: one 2-element all-reduce.
+# How often (optimizer steps) the ranks compare notes on signals and the clock: one 2-element all-reduce. The
+# trainer compares them at its log points instead (check_every=0, poll(force=True) there): between two log points
+# a step then starts no collective of its own and waits for nothing on the host.
 STOP_CHECK_EVERY = 10
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -81,12 +83,12 @@ class StopAgreement:
 
     def poll(self, step: int, force: bool = False) -> Decision:
         """The decision after optimizer step `step`, the same on every rank (collective every check_every
-        steps, or now when `force`; a single process decides alone every step)."""
+        steps (never with check_every=0), or now when `force`; a single process decides alone every step)."""
         due = bool(self.every_s) and self.is_main and time.monotonic() - self._last_save >= self.every_s
         periodic = bool(self.every_steps) and step % self.every_steps == 0
         stop = self.stopped  # read once: a signal that comes during the collective counts at the next check
         if self.world_size > 1:
-            if step % self.check_every and not force:
+            if not force and (not self.check_every or step % self.check_every):
                 return Decision(False, periodic)
             stop_any, due_any = all_reduce_sum(torch.tensor([float(stop), float(due)], dtype=torch.float64))
             stop, due = bool(stop_any), bool(due_any)
@@ -110,18 +112,24 @@ class NonFiniteLoss:
 
     def __init__(self, policy: str, device: torch.device, is_main: bool, warn=print):
         self.policy, self.is_main, self.warn = policy, is_main, warn
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # a non-finite loss since the last look
+        # the sum of the losses since the last look: non-finite when one of them was (one device op a micro-batch)
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def see(self, loss: torch.Tensor) -> None:
         """Note one micro-batch's loss."""
-        self.bad |= ~torch.isfinite(loss.detach())
+        self.total.add_(loss.detach())
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """True (on the device) when a loss since the last look was non-finite."""
+        return ~torch.isfinite(self.total)
 
     def skip_step(self, step: int) -> bool:
         """`skip`: True on every rank when any rank saw a non-finite loss during optimizer step `step`."""
         if self.policy != "skip":
             return False
         skip = all_reduce_sum(self.bad.double().reshape(1)).item() > 0
-        self.bad.zero_()
+        self.total.zero_()
         if skip:
             self.warn(f"ddpkit: warning: non-finite loss at step {step}; step skipped (train.nonfinite=skip)")
         return skip
@@ -131,7 +139,7 @@ class NonFiniteLoss:
         if self.policy != "stop":
             return
         # every rank's flag in one small all_reduce (an object all-gather is two collectives and a pickle)
-        mine = torch.zeros(get_world_size(), dtype=torch.float64, device=self.bad.device)
+        mine = torch.zeros(get_world_size(), dtype=torch.float64, device=self.total.device)
         mine[get_rank()] = self.bad.double()
         flags = all_reduce_sum(mine).tolist()
         if any(flags):

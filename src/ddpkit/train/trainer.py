@@ -22,6 +22,7 @@ from ddpkit import config as config_mod
 from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
 from ddpkit.config import Config
+from ddpkit.data.prefetch import DeviceBatches
 from ddpkit.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -88,7 +89,10 @@ class Trainer:
             stream_rank=self.coords["dp"],
         )
         ck = cfg.checkpoint
-        self.stop = StopAgreement(ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes)
+        # the ranks agree on a stop or a timed checkpoint at the log points (train.log_every) and epoch ends
+        self.stop = StopAgreement(
+            ctx.world_size, ctx.is_main, ck.every_steps, ck.every_minutes, check_every=0
+        )
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
@@ -114,6 +118,14 @@ class Trainer:
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
+        # micro-batches reach the device before their step: on CUDA the next one is copied while one computes
+        # channels_last inputs only for a model with convolutions (an MLP's or a GPT's would be copied for nothing)
+        parts = (
+            self.model if isinstance(self.model, (list, tuple)) else [self.model]
+        )  # a pipeline's: its stages
+        convolutions = any(p.dim() == 4 for part in parts for p in part.parameters())
+        self.channels_last = cfg.model.channels_last and convolutions
+        self.train_loader.move = DeviceBatches(self.device, self.channels_last)
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
@@ -192,6 +204,8 @@ class Trainer:
         state.begin_epoch(epoch)
         if self.pipeline is not None:
             self.pipeline.begin_epoch(state.sums)
+        if self.pipeline is None:
+            self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
@@ -209,10 +223,11 @@ class Trainer:
                     self.pipeline.progress_sums(state.sums) if self.pipeline else state.sums,
                     cfg.train.log_every,
                 )
-                if done % cfg.train.log_every == 0:
+                log_point = done % cfg.train.log_every == 0
+                if log_point:
                     self.nonfinite.check(state.step)
                 self.heartbeat.step = state.step
-                decision = self.stop.poll(state.step)
+                decision = self.stop.poll(state.step, force=log_point)
                 if decision.stop or state.step >= self.total_steps:
                     break
                 if decision.checkpoint and done < self.steps_per_epoch:
@@ -251,15 +266,14 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         accum = self.cfg.train.grad_accum_steps
-        self.wrapped.train()
         for i, (x, y) in enumerate(micro_batches):
-            x, y = to_device(x, y, self.device, self.cfg.model.channels_last)
+            x, y = to_device(x, y, self.device, self.channels_last)
             # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
             with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
                 with self.autocast():
                     logits = self.wrapped(x)
                 loss = self.task.loss(logits, y)
-                self.scaler.scale(loss / accum).backward()
+                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
             if self.counts:  # tensor-parallel peers computed the same numbers
                 self.task.accumulate(self.state.sums, loss, logits, y)
             self.nonfinite.see(loss)
@@ -276,7 +290,7 @@ class Trainer:
             self.criterion,
             self.autocast,
             self.strategy.collective_forward or self.layout.tp > 1,
-            self.cfg.model.channels_last,
+            self.channels_last,
             task=self.task,
             counts=self.counts,
         )

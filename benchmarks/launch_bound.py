@@ -1,0 +1,323 @@
+"""Launch-bound training: `ddpkit train` against a careful hand-written loop where a step costs milliseconds.
+
+Every fixed cost per step or per epoch shows when the model's own work is small. Two works, on both sides:
+
+  digits  the built-in CNN (ddpkit.models.small.SmallCNN) on the 1,438 in-memory 8x8 digits (no augmentation)
+  mlp     the built-in MLP (3x32x32 -> 256 -> 128 -> 10) on ddpkit's synthetic images (in memory)
+
+at batch 64 and 256 per process, 1 and 2 processes (gloo), data.num_workers 0 and 2 (4 on a GPU), SGD (lr 0.1,
+momentum 0.9, Nesterov, weight decay 5e-4, constant lr), OMP_NUM_THREADS=1.
+
+  ddpkit  python -m ddpkit train data.dataset=... model.arch=... optim.schedule=constant ... [--nproc-per-node 2]
+  plain   python THIS_FILE --worker ...  (2 processes: under torch.distributed.run): the data set built once into
+          tensors (a TensorDataset), a plain DataLoader (DistributedSampler with 2 processes, persistent_workers
+          with workers), DDP with 2 processes, SGD, the loss/accuracy sums kept on the device and all-reduced once
+          an epoch: what a careful user writes
+
+What is timed, the same way on both sides: epochs 2 .. E-1 (epoch 1 warms up; ddpkit evaluates after the last),
+each from before its set-up to after its metric all-reduce (ddpkit: metrics.jsonl's epoch_time_s); images/s =
+their images / the sum of their times. Checkpoints and metrics lines are written outside that window. The sides
+run alternately (A B, B A, ...) per setting; the report gives the medians, their ratio ddpkit/plain (target
+>= 0.97), the load average before each run and the CPU other processes used during it.
+
+    python benchmarks/launch_bound.py                                  # every setting, 3 rounds
+    python benchmarks/launch_bound.py --nets digits --batches 64 --nprocs 2 --workers 0 2 --rounds 3
+    python benchmarks/launch_bound.py --device cuda --nprocs 1 --workers 0 4   # on one GPU
+    python benchmarks/launch_bound.py --dry-run                        # the commands, nothing run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
+
+SEED = 0
+LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
+MLP_SIZE = 8192  # synthetic training images
+VAL_SIZE = 256
+
+
+def data_overrides(net: str, workers: int) -> list[str]:
+    """The Config keys that define the data (and the net), shared by both sides."""
+    shared = ["data.augment=false", f"data.num_workers={workers}", f"seed={SEED}", "train.label_smoothing=0"]
+    if net == "digits":
+        return ["data.dataset=digits", "model.arch=cnn", *shared]
+    return [
+        "data.dataset=synthetic",
+        f"data.synthetic_size={MLP_SIZE}",
+        f"data.synthetic_val_size={VAL_SIZE}",
+        "data.image_size=32",
+        "model.num_classes=10",
+        "model.arch=mlp",
+        *shared,
+    ]
+
+
+def ddpkit_command(net: str, batch: int, nproc: int, workers: int, epochs: int, device: str, out: str):
+    return [
+        common.python(),
+        "-m",
+        "ddpkit",
+        "train",
+        *data_overrides(net, workers),
+        f"train.batch_size={batch}",
+        f"train.epochs={epochs}",
+        *common.sgd_overrides(LR, MOMENTUM, WEIGHT_DECAY),
+        "eval.every=1000",
+        "report.curves=false",
+        "checkpoint.resume=none",
+        f"dist.device={device}",
+        f"out_dir={out}",
+        *(["--nproc-per-node", str(nproc)] if nproc > 1 else []),
+    ]
+
+
+def plain_command(net: str, batch: int, nproc: int, workers: int, epochs: int, device: str, out: str):
+    launch = (
+        [common.python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else [common.python()]
+    )
+    return [
+        *launch,
+        str(Path(__file__).resolve()),
+        "--worker",
+        *("--nets", net, "--batches", str(batch), "--workers", str(workers)),
+        *("--epochs", str(epochs), "--device", device, "--out", out),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the hand-written loop
+# ------------------------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ddpkit.config import load_config
+    from ddpkit.data import build_datasets
+    from ddpkit.models.small import SmallCNN, build_mlp
+
+    net, batch, workers = args.nets[0], args.batches[0], args.workers[0]
+    distributed = "WORLD_SIZE" in os.environ
+    on_gpu = args.device == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(dev)
+    if distributed:
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank = dist.get_rank() if distributed else 0
+
+    # The samples ddpkit trains on, into memory once (a user's own tensors).
+    train_set, _, spec = build_datasets(load_config(None, data_overrides(net, workers)))
+    xs, ys = zip(*(train_set[i] for i in range(len(train_set))), strict=True)
+    dataset = TensorDataset(torch.stack(xs), torch.tensor(ys))
+    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED, drop_last=True) if distributed else None
+    loader = DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=sampler is None,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=on_gpu,
+        persistent_workers=workers > 0,
+    )
+    torch.manual_seed(SEED)
+    model: nn.Module = (
+        SmallCNN(10, spec.in_channels, spec.image_size)
+        if net == "digits"
+        else build_mlp(10, spec.in_channels, spec.image_size)
+    ).to(dev)
+    if distributed:
+        model = DDP(model, device_ids=[dev.index] if on_gpu else None)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
+    )
+    criterion = nn.CrossEntropyLoss()
+    rows = []
+    for epoch in range(1, args.epochs + 1):
+        t0 = time.perf_counter()
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # loss sum, correct, count
+        for x, y in loader:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            logits = model(x)
+            loss = criterion(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            n = torch.tensor(float(y.shape[0]), dtype=torch.float64, device=dev)
+            sums += torch.stack([loss.detach().double() * n, (logits.argmax(1) == y).sum().double(), n])
+        if distributed:
+            dist.all_reduce(sums)
+        loss_sum, correct, count = sums.tolist()  # waits for the device
+        elapsed = time.perf_counter() - t0
+        rows.append(
+            {"epoch": epoch, "epoch_time_s": elapsed, "images": count, "train_loss": loss_sum / count}
+        )
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    if distributed:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------------
+# the driver
+# ------------------------------------------------------------------------------------------------------
+
+
+def timed(rows: list[dict[str, Any]], epochs: int) -> tuple[float, float]:
+    """(images, seconds) of epochs 2 .. epochs-1."""
+    window = [r for r in rows if 2 <= int(r["epoch"]) <= epochs - 1]
+    images = sum(
+        r["images"] if "images" in r else r["train_images_per_s"] * r["epoch_time_s"] for r in window
+    )
+    return images, sum(r["epoch_time_s"] for r in window)
+
+
+def run_side(side: str, setting: tuple, epochs: int, device: str, echo: bool) -> dict[str, Any]:
+    net, batch, nproc, workers = setting
+    with tempfile.TemporaryDirectory(prefix=f"ddpkit-launch-{side}-") as tmp:
+        out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
+        build = ddpkit_command if side == "ddpkit" else plain_command
+        cmd = build(net, batch, nproc, workers, epochs, device, out)
+        load = os.getloadavg()[0]
+        b0, c0 = _busy_s(), _children_cpu_s()
+        rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
+        b1, c1 = _busy_s(), _children_cpu_s()
+        if rc != 0:
+            tail = "\n".join(line for _, line in lines[-25:])
+            raise SystemExit(f"{side} {setting} failed with exit code {rc}:\n{tail}")
+        rows = (
+            common.read_jsonl(Path(out) / "metrics.jsonl")
+            if side == "ddpkit"
+            else json.loads(Path(out).read_text())
+        )
+    images, seconds = timed(rows, epochs)
+    other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
+    return {
+        "side": side,
+        "images_per_s": images / seconds,
+        "load1": load,
+        "other_cores": other,
+        "wall_s": wall,
+    }
+
+
+def settings(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    return list(itertools.product(args.nets, args.batches, args.nprocs, args.workers))
+
+
+def commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Every command a run would start (one per side and setting), with OUT for its output path."""
+    out = []
+    for net, batch, nproc, workers in settings(args):
+        for side, build in (("ddpkit", ddpkit_command), ("plain", plain_command)):
+            out.append((side, build(net, batch, nproc, workers, args.epochs, args.device, "OUT")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nets", nargs="+", choices=("digits", "mlp"), default=["digits", "mlp"])
+    p.add_argument("--batches", nargs="+", type=int, default=[64, 256], help="per process")
+    p.add_argument("--nprocs", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--workers", nargs="+", type=int, default=[0, 2], help="DataLoader workers per process")
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs of each side per setting")
+    p.add_argument("--epochs", type=int, default=6, help="epochs per run (2 .. E-1 are timed)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--echo", action="store_true", help="show the runs' output")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    raw = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(raw)
+    if args.epochs < 3:
+        p.error("--epochs must be at least 3 (epochs 2 .. E-1 are timed)")
+    if args.worker:
+        worker(args)
+        return 0
+    if args.dry_run:
+        for side, cmd in commands(args):
+            print(f"{side}: OMP_NUM_THREADS=1 {' '.join(cmd)}")
+        return 0
+    m = common.machine()
+    print(f"launch-bound ddpkit train vs a hand-written loop: {common.machine_line(m)}", flush=True)
+    table, raw_runs, ratios = [], [], []
+    for setting in settings(args):
+        runs = []
+        for rnd in range(args.rounds):
+            for side in ("ddpkit", "plain") if rnd % 2 == 0 else ("plain", "ddpkit"):
+                r = run_side(side, setting, args.epochs, args.device, args.echo)
+                print(
+                    f"  {setting} round {rnd + 1} {side}: {r['images_per_s']:.0f} images/s "
+                    f"(load {r['load1']:.1f}, other {r['other_cores'] or 0:.2f} cores)",
+                    flush=True,
+                )
+                runs.append(r)
+        med = {
+            s: statistics.median(r["images_per_s"] for r in runs if r["side"] == s)
+            for s in ("ddpkit", "plain")
+        }
+        ratio = med["ddpkit"] / med["plain"]
+        ratios.append(ratio)
+        each = " / ".join(
+            f"{a['images_per_s'] / b['images_per_s']:.2f}"
+            for a, b in zip(
+                [r for r in runs if r["side"] == "ddpkit"],
+                [r for r in runs if r["side"] == "plain"],
+                strict=True,
+            )
+        )
+        loads = [r["load1"] for r in runs]
+        table.append(
+            [
+                *setting,
+                f"{med['ddpkit']:.0f}",
+                f"{med['plain']:.0f}",
+                f"**{ratio:.3f}**",
+                each,
+                f"{min(loads):.1f}-{max(loads):.1f}",
+            ]
+        )
+        raw_runs.append({"setting": setting, "runs": runs, "ratio": ratio})
+    print()
+    print(f"Machine: {common.machine_line(m)}")
+    print(f"Command: python benchmarks/launch_bound.py {' '.join(raw)}".rstrip())
+    print()
+    headers = ["net", "batch/process", "processes", "workers", "ddpkit images/s (median)"]
+    headers += ["plain images/s (median)", "ddpkit / plain", "rounds (ddpkit / plain)", "load average 1 min"]
+    print(common.md_table(headers, table))
+    print()
+    verdict = "PASS" if min(ratios) >= 0.97 else "FAIL"
+    print(f"lowest ratio {min(ratios):.3f} (target >= 0.97 at every setting): {verdict}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": m, "settings": raw_runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
