@@ -153,7 +153,7 @@ COVERED = {
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
     "model.activation_checkpointing=full --nproc-per-node 2": (
-        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process"
+        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_x_pp_equals_one_process"
     ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",

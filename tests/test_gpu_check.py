@@ -14,10 +14,24 @@ import pytest
 from conftest import REPO
 from ddpkit.config import load_config
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_check  # noqa: E402
-import launch_bound  # noqa: E402
-import throughput_vs_plain_ddp  # noqa: E402
+
+def _benchmark_modules():
+    """The three benchmark scripts as modules, imported with benchmarks/ on sys.path only while they load: their
+    `_common` is not the examples' `_common`, which later tests in this process import by that name."""
+    import importlib
+
+    path, modules = list(sys.path), dict(sys.modules)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return [importlib.import_module(n) for n in ("gpu_check", "launch_bound", "throughput_vs_plain_ddp")]
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - set(modules):
+            if name in ("_common", "gpu_check", "launch_bound", "throughput_vs_plain_ddp"):
+                del sys.modules[name]
+
+
+gpu_check, launch_bound, throughput_vs_plain_ddp = _benchmark_modules()
 
 
 def dry_run(main, *argv: str) -> list[str]:

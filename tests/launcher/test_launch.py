@@ -238,3 +238,26 @@ def test_more_processes_than_cores_is_refused_with_the_numbers(tmp_path, command
         proc, f"1000 processes on this node but it has only {cores} CPU core(s)", "DDPKIT_OVERSUBSCRIBE=1"
     )
     assert "started" not in proc.stdout
+
+
+def test_a_rank_the_agent_ends_after_a_handled_forwarded_signal_is_not_the_jobs_status():
+    # SIGTERM passed on to a script whose handler exits 7: rank 1 ends first with 7; rank 0, already ending from
+    # its own handler, gets the agent's second SIGTERM (the agent ends the others after a failure) and dies of it.
+    # The job's status is the script's 7; a script without a handler (every rank killed by SIGTERM) keeps 143.
+    import signal
+    import types
+
+    from ddpkit.launcher.launch import _ended_by_us, _failure
+
+    def failed(first):
+        return types.SimpleNamespace(get_first_failure=lambda: (first, None))
+
+    forwarded = types.SimpleNamespace(signum=signal.SIGTERM)
+    handled = {0: -signal.SIGTERM, 1: 7}
+    assert _ended_by_us(handled, failed(1), forwarded) == {0}
+    assert (
+        _failure(handled, 0, signal.SIGTERM, _ended_by_us(handled, failed(1), forwarded), True).exit_code == 7
+    )
+    unhandled = {0: -signal.SIGTERM, 1: -signal.SIGTERM}
+    assert _ended_by_us(unhandled, failed(1), forwarded) == frozenset()
+    assert _failure(unhandled, 0, signal.SIGTERM, frozenset(), True).exit_code == 128 + signal.SIGTERM

@@ -71,10 +71,16 @@ def set_thread_env(nproc: int) -> None:
 
 
 def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) -> frozenset[int]:
-    """Ranks the agent SIGTERMed after the first failure (it ends the others): not the job's status."""
+    """Ranks the agent SIGTERMed after the first failure (it ends the others): not the job's status. Also when
+    this launcher passed a signal on, if the first rank to end did not die of SIGTERM: the script handled the
+    signal (exit 7 from its handler, say), so a rank killed by SIGTERM got the agent's second one while it was
+    already ending from the first."""
     first, _ = e.get_first_failure()
+    handled = codes.get(first) != -signal.SIGTERM
     return frozenset(
-        r for r, c in codes.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
+        r
+        for r, c in codes.items()
+        if r != first and c == -signal.SIGTERM and (not forwarder.signum or handled)
     )
 
 

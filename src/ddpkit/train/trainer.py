@@ -119,7 +119,7 @@ class Trainer:
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
         # micro-batches reach the device before their step: on CUDA the next one is copied while one computes
-        # channels_last inputs only for a model with convolutions (an MLP's or a GPT's would be copied for nothing)
+        # channels_last inputs only for a model with convolutions (other models would have them copied for nothing)
         parts = (
             self.model if isinstance(self.model, (list, tuple)) else [self.model]
         )  # a pipeline's: its stages
