@@ -70,3 +70,14 @@ def test_a_converted_loader_over_them_keeps_the_whole_batches():
     ds = SyntheticImages(12, 10, 8, seed=0, split=0)
     (x, y), *_ = convert_loader(DataLoader(ds, batch_size=4), rank=0, world_size=1)
     assert x.shape == (4, 3, 8, 8) and torch.equal(y, ds.labels[:4])
+
+
+def test_a_plain_dataloader_over_ddpkit_sets_gets_samples_and_stacks_them():
+    # a user's own torch DataLoader (the examples' scripts) over ddpkit's in-memory sets: default_collate works;
+    # only ddpkit's loaders, whose collate takes them, get whole stacked batches from __getitems__
+    for ds in (
+        TensorImageDataset(torch.rand(10, 1, 8, 8), torch.arange(10) % 3, 0.5, 0.25),
+        SyntheticImages(10, 3, 8, seed=0, split=0),
+    ):
+        x, y = next(iter(DataLoader(ds, batch_size=4)))
+        assert x.shape[0] == 4 and y.shape == (4,)

@@ -62,6 +62,7 @@ def _loader_kwargs(kwargs: dict[str, Any], dataset: Dataset) -> dict[str, Any]:
     out = dict(kwargs)
     if out.get("collate_fn") in (None, default_collate) and hasattr(dataset, "ddpkit_collate"):
         out["collate_fn"] = dataset.ddpkit_collate
+        dataset.batched = True  # its __getitems__ may hand over stacked batches: this collate passes them on
     workers = int(out.get("num_workers") or 0)
     if out.get("pin_memory") and not torch.cuda.is_available():
         out["pin_memory"] = False  # pinning without a GPU only costs memory (and warns)

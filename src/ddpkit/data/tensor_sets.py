@@ -62,6 +62,9 @@ class TensorImageDataset(Dataset):
     """
 
     ddpkit_collate = staticmethod(collate)
+    batched = (
+        False  # set by ddpkit's loaders, whose collate takes stacked batches; a plain DataLoader gets samples
+    )
 
     def __init__(
         self,
@@ -103,6 +106,8 @@ class TensorImageDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> Collated:
         """A whole batch at once (the DataLoader's batched fetch): the same transforms as __getitem__ on a
         tensor of samples, a few operations per batch instead of per sample; stacked already."""
+        if not self.batched:  # a plain DataLoader: samples, for its default_collate
+            return [self[i] for i in indices]
         x = self.images[indices]
         if self.shift:
             x = batch_shift(x, self.shift, self.flip)
@@ -123,6 +128,9 @@ class SyntheticImages(Dataset):
     """
 
     ddpkit_collate = staticmethod(collate)
+    batched = (
+        False  # set by ddpkit's loaders, whose collate takes stacked batches; a plain DataLoader gets samples
+    )
 
     def __init__(
         self,
@@ -167,6 +175,8 @@ class SyntheticImages(Dataset):
 
     def __getitems__(self, indices: list[int]) -> Collated:
         """A whole batch at once, stacked (augmentation: batch_shift, the same stream as sample by sample)."""
+        if not self.batched:  # a plain DataLoader: samples, for its default_collate
+            return [self[i] for i in indices]
         if self.images is None or any(not 0 <= i < self.n for i in indices):
             return Collated(default_collate([self[i] for i in indices]))
         x = self.images[indices]
