@@ -14,10 +14,15 @@ from conftest import REPO, assert_user_error, cli_env, plain_torchrun, run_cli
 
 SCRIPTS = REPO / "tests" / "scripts"
 ENV_PROBE = """\
-import json, os, sys
+import json, os, sys, time
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 sys.stdout.write(json.dumps({"argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}) + "\\n")
 sys.stdout.flush()
+if os.environ.get("PROBE_DIR"):  # every rank has printed before one fails: the first failure ends the others
+    open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"]), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(os.environ["PROBE_DIR"])) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """
 
@@ -87,8 +92,16 @@ def test_bad_input_is_one_line_before_anything_starts(args, fragment):
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_workers_get_ranks_and_the_scripts_exit_code_passes_through(tmp_path, launcher):
     script = probe(tmp_path)
+    (tmp_path / "printed").mkdir()
     proc = run_cli(
-        "run", "--nproc-per-node", "2", "--launcher", launcher, str(script), "x", env={"PROBE_EXIT": "5"}
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--launcher",
+        launcher,
+        str(script),
+        "x",
+        env={"PROBE_EXIT": "5", "PROBE_DIR": str(tmp_path / "printed")},
     )
     assert proc.returncode == 5, (proc.stdout, proc.stderr)
     recs = records(proc.stdout)
