@@ -13,6 +13,7 @@ import re
 import pytest
 
 from conftest import REPO, free_port, run_cli
+from ddpkit.errors import UserError
 from ddpkit.train.metrics import read_metrics
 
 PACKAGE = """
@@ -89,11 +90,14 @@ def test_the_docs_example_is_the_tested_package():
 # ------------------------------------------------- a model, a strategy, a compression method and a launcher
 
 EXTENSIONS = """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 from ddpkit.commands import Command
 from ddpkit.cluster.env import DistEnv, LauncherDetector
+from ddpkit.config.schema import opt
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod
 from ddpkit.parallel.strategies.ddp import DDPStrategy
@@ -202,11 +206,19 @@ def stack_stage(model, stage, n_stages):
     return model
 
 
+@dataclass
+class StackKeys:
+    \"\"\"the stack's own width.\"\"\"
+
+    my_width: int = opt(0, "stacklm: the layers' width; 0: model.n_embd", ge=0)
+
+
 STACK_MODEL = ModelFamily(
     "stacklm",
     owns=lambda arch: arch == "stacklm",
     build=None,
-    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.n_embd, m.n_layer),
+    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.my_width or m.n_embd, m.n_layer),
+    keys=(StackKeys,),
     module_types=(StackLM,),
     tp_plan=stack_plan,
     pp_stage=stack_stage,
@@ -272,7 +284,7 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
         "train",
         "model.arch=stacklm",
         "model.n_layer=2",
-        "model.n_embd=16",
+        "model.my_width=16",  # a key the family declares
         "data.dataset=text",
         "data.block_size=8",
         "train.batch_size=4",
@@ -292,9 +304,44 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
                    env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     want, got = (load_checkpoint(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "split"))
-    assert set(got) == set(want) and "layers.1.down.weight" in want
+    assert set(got) == set(want) and want["layers.1.down.weight"].shape == (16, 32)  # model.my_width=16
     for k in want:
         assert (got[k] - want[k]).abs().max() <= 1e-4 * max(want[k].abs().max().item(), 1e-2), k
+
+
+def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, monkeypatch):
+    # model.arch names the package's family: it is loaded before the keys are checked, its key joins the schema
+    import sys
+
+    from ddpkit.config import describe_keys, load_config
+    from ddpkit.config.declared import forget
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.parallel.compression import Compression
+
+    install_extensions(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        assert load_config(None, ["model.arch=stacklm", "model.my_width=3"]).model.my_width == 3
+        assert load_config(None, ["model.arch=stacklm"]).model.my_width == 0  # its default
+        with pytest.raises(UserError) as typo:
+            load_config(None, ["model.arch=stacklm", "model.my_widht=3"])
+        assert typo.value.line() == (
+            "unknown config key 'model.my_widht' on the command line (did you mean 'model.my_width'?)"
+        )
+        assert (
+            "### `model.arch=stacklm`: the stack's own width.\n\n- `model.my_width = 0` (integer >= 0):"
+            in (describe_keys())
+        )
+        # ddpkit's own families and methods declare theirs the same way, each under its name
+        assert "### `model.arch=gpt, llama`:" in describe_keys()
+        assert "### `dist.grad_compression=powersgd`:" in describe_keys()
+        assert Compression.from_config(load_config(None, ["dist.powersgd_rank=2"]).dist).powersgd_rank == 2
+    finally:
+        forget(sys.modules["myext"].StackKeys)
+        MODEL_FAMILIES.unregister("stacklm")
+        sys.modules.pop("myext", None)
+    with pytest.raises(UserError, match="unknown config key 'model.my_width'"):
+        load_config(None, ["model.my_width=3"])
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit import _moved
+from ddpkit.config.declared import check_with, declare
+from ddpkit.config.schema import opt
 from ddpkit.errors import UserError
 from ddpkit.registry import Registry
 
@@ -31,7 +33,9 @@ class CompressionMethod:
     `Compression` value: powersgd_rank, ...) and returns what holds its state (None when stateless);
     `state_dict(holder)` / `load_state_dict(holder, saved, device)`: that state in a checkpoint (one per rank);
     `restore(saved_per_rank, rank, world_size) -> (state or None, message or None)`: what this rank takes from
-    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped).
+    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped);
+    `keys`: the method's own config keys, a dataclass of `opt()` fields added to the `dist` section
+    (`dist.powersgd_rank`), documented under the method in --help-config.
     """
 
     name: str
@@ -40,6 +44,7 @@ class CompressionMethod:
     state_dict: Callable[[Any], dict | None] = lambda holder: None
     load_state_dict: Callable[[Any, dict, Any], None] = lambda holder, saved, device: None
     restore: Callable[[list[dict], int, int], tuple[dict | None, str | None]] = _no_restore
+    keys: type | None = None
 
 
 def _fp16(ddp: Any, options: Any) -> None:
@@ -63,8 +68,27 @@ _REGISTRY: Registry[CompressionMethod] = Registry(
 
 
 def register_compression(method: CompressionMethod, *, replace: bool = False) -> CompressionMethod:
-    """Make `method.name` a valid dist.grad_compression; refuses to shadow a name unless replace=True."""
-    return _REGISTRY.register(method, replace=replace)
+    """Make `method.name` a valid dist.grad_compression (and its keys config keys); refuses to shadow a name
+    unless replace=True."""
+    _REGISTRY.register(method, replace=replace)
+    if method.keys is not None:
+        declare("dist", method.keys, "dist.grad_compression", method.name)
+    return method
+
+
+@dataclass
+class PowerSGDKeys:
+    """PowerSGD's low-rank approximation."""
+
+    powersgd_rank: int = opt(1, "PowerSGD's matrix approximation rank (more: closer, more bytes)", gt=0)
+    powersgd_warmup_steps: int = opt(
+        10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
+    )
+
+
+# PowerSGD's method (powersgd.py, METHOD: keys=PowerSGDKeys) imports torch and is registered when first asked
+# for; its keys are declared now, so a config that sets them loads without torch
+declare("dist", PowerSGDKeys, "dist.grad_compression", "powersgd")
 
 
 register_compression(CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None))
@@ -96,6 +120,12 @@ def get_compression(name: str) -> CompressionMethod:
         hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(compression_names())
         raise UserError(f"unknown dist.grad_compression '{name}'", hint)
     return method
+
+
+@check_with
+def _check_name(cfg: Any) -> None:
+    """At load: dist.grad_compression is a registered method (built in, registered, or an installed package's)."""
+    get_compression(cfg.dist.grad_compression)
 
 
 @dataclass(frozen=True)
