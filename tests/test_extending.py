@@ -126,6 +126,7 @@ def register_half(ddp, options):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     counter = Counter()
+    counter.label = options.setting("half_label")  # its own key, dist.half_label
 
     def hook(state, bucket):
         counter.calls += 1
@@ -135,8 +136,16 @@ def register_half(ddp, options):
     return counter
 
 
+@dataclass
+class HalfKeys:
+    \"\"\"the counted hook's own setting.\"\"\"
+
+    half_label: str = opt("calls", "half: the name its checkpoint state counts under", nonblank=True)
+
+
 COMPRESSION = CompressionMethod(
-    "half", "fp16, counted", register=register_half, state_dict=lambda counter: {"calls": counter.calls}
+    "half", "fp16, counted", register=register_half, state_dict=lambda counter: {counter.label: counter.calls},
+    keys=HalfKeys,
 )
 
 
@@ -262,13 +271,14 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
     install_extensions(tmp_path / "site")
     out = tmp_path / "run"
     args = ["train", "model.arch=tiny", "dist.strategy=myddp", "dist.grad_compression=half", "train.epochs=1"]
-    proc = run_cli(*args, "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
+    proc = run_cli(*args, "dist.half_label=steps", "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
                    env={"PYTHONPATH": on_path(tmp_path / "site")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy myddp" in (out / "log.txt").read_text()
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert set(ckpt["model"]) == {"1.weight", "1.bias"}  # the package's model
-    assert [s["calls"] for s in ckpt["comm_hook"]] == [5, 5]  # its hook ran on every step, its state saved
+    # its hook ran on every step, its state saved under the name its own key (dist.half_label) gave
+    assert [s["steps"] for s in ckpt["comm_hook"]] == [5, 5]
 
 
 @pytest.mark.slow
@@ -316,6 +326,7 @@ def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, mo
     from ddpkit.config import describe_keys, load_config
     from ddpkit.config.declared import forget
     from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.parallel import compression
     from ddpkit.parallel.compression import Compression
 
     install_extensions(tmp_path / "site")
@@ -336,9 +347,14 @@ def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, mo
         assert "### `model.arch=gpt, llama`:" in describe_keys()
         assert "### `dist.grad_compression=powersgd`:" in describe_keys()
         assert Compression.from_config(load_config(None, ["dist.powersgd_rank=2"]).dist).powersgd_rank == 2
+        # a compression method from the package declares its keys the same way (named by dist.grad_compression)
+        half = load_config(None, ["dist.grad_compression=half", "dist.half_label=n"])
+        assert Compression.from_config(half.dist).setting("half_label") == "n"
     finally:
         forget(sys.modules["myext"].StackKeys)
+        forget(sys.modules["myext"].HalfKeys)
         MODEL_FAMILIES.unregister("stacklm")
+        compression._REGISTRY.unregister("half")
         sys.modules.pop("myext", None)
     with pytest.raises(UserError, match="unknown config key 'model.my_width'"):
         load_config(None, ["model.my_width=3"])

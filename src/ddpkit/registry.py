@@ -30,10 +30,12 @@ class Registry(Mapping[str, T]):
         unordered: int = LAST,
         newest_first: bool = False,
         builtins: Callable[[], Iterable[T]] | None = None,
+        added: Callable[[T], object] = lambda entry: None,
     ):
         """`unordered`: the order of an entry that gives none (LAST: after the built-ins; 0: before them);
         `newest_first`: entries of equal order are asked newest first (else in the order they came);
-        `builtins`: the built-in entries, made when the registry is first used (their modules may be heavy)."""
+        `builtins`: the built-in entries, made when the registry is first used (their modules may be heavy);
+        `added(entry)`: called with each entry registered, however it came (e.g. to declare its config keys)."""
         self.what, self.group, self.cls, self.spelled = what, group, cls, spelled
         self.unordered, self.newest_first = unordered, newest_first
         self._entries: dict[str, T] = {}
@@ -41,6 +43,7 @@ class Registry(Mapping[str, T]):
         self._counter = 0
         self._loaded = False
         self._builtins = builtins
+        self._added = added
 
     def _ready(self) -> None:
         if self._builtins is not None:
@@ -59,6 +62,7 @@ class Registry(Mapping[str, T]):
         name = entry.name
         if name in self._entries and not replace and self._entries[name] is not entry:
             raise ValueError(f"{self.what} '{name}' is already registered")
+        self._added(entry)
         self._entries[name] = entry
         if (
             name not in self._seq or self.newest_first

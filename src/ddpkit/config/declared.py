@@ -44,8 +44,8 @@ class KeySet:
 
     @property
     def title(self) -> str:
-        """What --help-config heads the set with: 'model.arch=gpt, llama: the transformer's size ...'."""
-        return f"{self.by}={', '.join(self.owners)}: {self.keys.__doc__}"
+        """What --help-config heads the set with: '`model.arch=gpt, llama`: the decoder's size, ...'."""
+        return f"`{self.by}={', '.join(self.owners)}`: {self.keys.__doc__}"
 
 
 _SECTIONS: dict[str, type] = {}  # section name -> its dataclass (set by config/sections.py)

@@ -44,7 +44,7 @@ def describe_keys() -> str:
         lines += ["", f"## {title}", ""]
         lines += _listed(s for s in specs.values() if s.key.rpartition(".")[0] == sec and s.key not in owned)
         for key_set in sets:  # the keys a model family or a compression method declares, under its name
-            lines += ["", f"### `{key_set.by}={', '.join(key_set.owners)}`: {key_set.keys.__doc__}", ""]
+            lines += ["", f"### {key_set.title}", ""]
             lines += _listed(specs[f"{sec}.{f.name}"] for f in dataclasses.fields(key_set.keys))
     return "\n".join(lines)
 

@@ -70,6 +70,11 @@ def _builtin_families() -> list[ModelFamily]:
     return [importlib.import_module(f"{__name__}.{m}").FAMILY for m in _FAMILY_MODULES]
 
 
+def _declare_keys(family: ModelFamily) -> None:
+    for keys in family.keys:
+        declare("model", keys, "model.arch", family.name)
+
+
 # Adding a model family is one entry (register_model). They are asked in order: families of your own first
 # (newest first, so a family of your own can own any name), then the built-ins at their `order` (the cheap first).
 MODEL_FAMILIES: Registry[ModelFamily] = Registry(
@@ -80,16 +85,11 @@ MODEL_FAMILIES: Registry[ModelFamily] = Registry(
     unordered=0,
     newest_first=True,
     builtins=_builtin_families,
+    added=_declare_keys,  # a family's own config keys join the schema when it is registered
 )
 for _arch, _sets in BUILTIN_KEYS.items():
     for _keys in _sets:
         declare("model", _keys, "model.arch", _arch)
-
-
-def _declare_keys(family: ModelFamily) -> ModelFamily:
-    for keys in family.keys:
-        declare("model", keys, "model.arch", family.name)
-    return family
 
 
 @before_keys
@@ -110,7 +110,7 @@ def _load_named_family(given: dict[str, Any]) -> None:
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
     """Make the names `family` owns valid model.arch values; asked before the built-in families (unless it gives
     an `order`). Refuses a second family of the same name unless replace=True."""
-    return _declare_keys(MODEL_FAMILIES.register(family, replace=replace))
+    return MODEL_FAMILIES.register(family, replace=replace)
 
 
 def model_family(arch: str) -> ModelFamily:
@@ -119,8 +119,6 @@ def model_family(arch: str) -> ModelFamily:
     owner = next((f for f in MODEL_FAMILIES.values() if f.owns(arch)), None)
     if owner is None and arch not in MODEL_FAMILIES:
         owner = MODEL_FAMILIES.find(arch)
-        if owner is not None:  # from an installed package: its keys join the schema
-            _declare_keys(owner)
     if owner is not None:
         owner.check(arch)
         return owner
