@@ -556,9 +556,18 @@ def test_registries_check_their_names_at_load_and_config_imports_none_of_them():
         ("data.dataset=digit", "unknown data.dataset 'digit' (did you mean 'digits'?)"),
     ]:
         assert_one_line([override], line)
-    above = re.compile(
-        r"(import|from) ddpkit\.(models|parallel|data)\b"
-    )  # tests/test_layout.py checks the order
+    # every module that declares keys or checks is one that config loads by name before the schema is read
+    from ddpkit.config.declared import DECLARED_BY
+
+    src = REPO / "src"
+    declaring = {
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        for p in (src / "ddpkit").rglob("*.py")
+        if "from ddpkit.config.declared import" in p.read_text() and p.parent.name != "config"
+    }
+    assert declaring == set(DECLARED_BY)
+    # config/ imports none of them (tests/test_layout.py checks the folder order for every module)
+    above = re.compile(r"(import|from) ddpkit\.(models|parallel|data)\b")
     assert [
         p.name for p in (REPO / "src" / "ddpkit" / "config").glob("*.py") if above.search(p.read_text())
     ] == []
