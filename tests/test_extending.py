@@ -13,6 +13,7 @@ import re
 import pytest
 
 from conftest import REPO, free_port, run_cli
+from ddpkit.errors import UserError
 from ddpkit.train.metrics import read_metrics
 
 PACKAGE = """
@@ -89,11 +90,14 @@ def test_the_docs_example_is_the_tested_package():
 # ------------------------------------------------- a model, a strategy, a compression method and a launcher
 
 EXTENSIONS = """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 from ddpkit.commands import Command
 from ddpkit.cluster.env import DistEnv, LauncherDetector
+from ddpkit.config.schema import opt
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod
 from ddpkit.parallel.strategies.ddp import DDPStrategy
@@ -122,6 +126,7 @@ def register_half(ddp, options):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     counter = Counter()
+    counter.label = options.setting("half_label")  # its own key, dist.half_label
 
     def hook(state, bucket):
         counter.calls += 1
@@ -131,8 +136,16 @@ def register_half(ddp, options):
     return counter
 
 
+@dataclass
+class HalfKeys:
+    \"\"\"the counted hook's own setting.\"\"\"
+
+    half_label: str = opt("calls", "half: the name its checkpoint state counts under", nonblank=True)
+
+
 COMPRESSION = CompressionMethod(
-    "half", "fp16, counted", register=register_half, state_dict=lambda counter: {"calls": counter.calls}
+    "half", "fp16, counted", register=register_half, state_dict=lambda counter: {counter.label: counter.calls},
+    keys=HalfKeys,
 )
 
 
@@ -202,11 +215,19 @@ def stack_stage(model, stage, n_stages):
     return model
 
 
+@dataclass
+class StackKeys:
+    \"\"\"the stack's own width.\"\"\"
+
+    my_width: int = opt(0, "stacklm: the layers' width; 0: model.n_embd", ge=0)
+
+
 STACK_MODEL = ModelFamily(
     "stacklm",
     owns=lambda arch: arch == "stacklm",
     build=None,
-    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.n_embd, m.n_layer),
+    build_lm=lambda arch, vocab_size, block_size, m: StackLM(vocab_size, m.my_width or m.n_embd, m.n_layer),
+    keys=(StackKeys,),
     module_types=(StackLM,),
     tp_plan=stack_plan,
     pp_stage=stack_stage,
@@ -250,13 +271,14 @@ def test_a_model_strategy_and_compression_from_another_package_train_on_two_proc
     install_extensions(tmp_path / "site")
     out = tmp_path / "run"
     args = ["train", "model.arch=tiny", "dist.strategy=myddp", "dist.grad_compression=half", "train.epochs=1"]
-    proc = run_cli(*args, "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
+    proc = run_cli(*args, "dist.half_label=steps", "train.max_steps=5", f"out_dir={out}", "--nproc-per-node", "2",
                    env={"PYTHONPATH": on_path(tmp_path / "site")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy myddp" in (out / "log.txt").read_text()
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert set(ckpt["model"]) == {"1.weight", "1.bias"}  # the package's model
-    assert [s["calls"] for s in ckpt["comm_hook"]] == [5, 5]  # its hook ran on every step, its state saved
+    # its hook ran on every step, its state saved under the name its own key (dist.half_label) gave
+    assert [s["steps"] for s in ckpt["comm_hook"]] == [5, 5]
 
 
 @pytest.mark.slow
@@ -272,7 +294,7 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
         "train",
         "model.arch=stacklm",
         "model.n_layer=2",
-        "model.n_embd=16",
+        "model.my_width=16",  # a key the family declares
         "data.dataset=text",
         "data.block_size=8",
         "train.batch_size=4",
@@ -292,9 +314,50 @@ def test_a_model_family_from_another_package_trains_under_tp_pp_and_checkpointin
                    env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     want, got = (load_checkpoint(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "split"))
-    assert set(got) == set(want) and "layers.1.down.weight" in want
+    assert set(got) == set(want) and want["layers.1.down.weight"].shape == (16, 32)  # model.my_width=16
     for k in want:
         assert (got[k] - want[k]).abs().max() <= 1e-4 * max(want[k].abs().max().item(), 1e-2), k
+
+
+def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, monkeypatch):
+    # model.arch names the package's family: it is loaded before the keys are checked, its key joins the schema
+    import sys
+
+    from ddpkit.config import describe_keys, load_config
+    from ddpkit.config.declared import forget
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.parallel import compression
+    from ddpkit.parallel.compression import Compression
+
+    install_extensions(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        assert load_config(None, ["model.arch=stacklm", "model.my_width=3"]).model.my_width == 3
+        assert load_config(None, ["model.arch=stacklm"]).model.my_width == 0  # its default
+        with pytest.raises(UserError) as typo:
+            load_config(None, ["model.arch=stacklm", "model.my_widht=3"])
+        assert typo.value.line() == (
+            "unknown config key 'model.my_widht' on the command line (did you mean 'model.my_width'?)"
+        )
+        assert (
+            "### `model.arch=stacklm`: the stack's own width.\n\n- `model.my_width = 0` (integer >= 0):"
+            in (describe_keys())
+        )
+        # ddpkit's own families and methods declare theirs the same way, each under its name
+        assert "### `model.arch=gpt, llama`:" in describe_keys()
+        assert "### `dist.grad_compression=powersgd`:" in describe_keys()
+        assert Compression.from_config(load_config(None, ["dist.powersgd_rank=2"]).dist).powersgd_rank == 2
+        # a compression method from the package declares its keys the same way (named by dist.grad_compression)
+        half = load_config(None, ["dist.grad_compression=half", "dist.half_label=n"])
+        assert Compression.from_config(half.dist).setting("half_label") == "n"
+    finally:
+        forget(sys.modules["myext"].StackKeys)
+        forget(sys.modules["myext"].HalfKeys)
+        MODEL_FAMILIES.unregister("stacklm")
+        compression._REGISTRY.unregister("half")
+        sys.modules.pop("myext", None)
+    with pytest.raises(UserError, match="unknown config key 'model.my_width'"):
+        load_config(None, ["model.my_width=3"])
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ outside come before a built-in one: the built-ins leave gaps (100, 200, ...) bet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 from ddpkit.entrypoints import entry_object, named_entry
@@ -29,15 +29,27 @@ class Registry(Mapping[str, T]):
         *,
         unordered: int = LAST,
         newest_first: bool = False,
+        builtins: Callable[[], Iterable[T]] | None = None,
+        added: Callable[[T], object] = lambda entry: None,
     ):
         """`unordered`: the order of an entry that gives none (LAST: after the built-ins; 0: before them);
-        `newest_first`: entries of equal order are asked newest first (else in the order they came)."""
+        `newest_first`: entries of equal order are asked newest first (else in the order they came);
+        `builtins`: the built-in entries, made when the registry is first used (their modules may be heavy);
+        `added(entry)`: called with each entry registered, however it came (e.g. to declare its config keys)."""
         self.what, self.group, self.cls, self.spelled = what, group, cls, spelled
         self.unordered, self.newest_first = unordered, newest_first
         self._entries: dict[str, T] = {}
         self._seq: dict[str, int] = {}
         self._counter = 0
         self._loaded = False
+        self._builtins = builtins
+        self._added = added
+
+    def _ready(self) -> None:
+        if self._builtins is not None:
+            builtins, self._builtins = self._builtins, None
+            for entry in builtins():
+                self.register(entry)
 
     def _key(self, name: str) -> tuple[int, int]:
         order = getattr(self._entries[name], "order", None)
@@ -46,9 +58,11 @@ class Registry(Mapping[str, T]):
 
     def register(self, entry: T, *, replace: bool = False) -> T:
         """Add `entry`; refuses a second entry of the same name unless replace=True."""
+        self._ready()
         name = entry.name
         if name in self._entries and not replace and self._entries[name] is not entry:
             raise ValueError(f"{self.what} '{name}' is already registered")
+        self._added(entry)
         self._entries[name] = entry
         if (
             name not in self._seq or self.newest_first
@@ -59,20 +73,25 @@ class Registry(Mapping[str, T]):
 
     def unregister(self, name: str) -> None:
         """Take `name` off the table (a test's or a session's own entry)."""
+        self._ready()
         self._entries.pop(name, None)
         self._seq.pop(name, None)
 
     def __getitem__(self, name: str) -> T:
+        self._ready()
         return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
+        self._ready()
         return iter(sorted(self._entries, key=self._key))
 
     def __len__(self) -> int:
+        self._ready()
         return len(self._entries)
 
     def find(self, name: str) -> T | None:
         """The entry `name`: registered, or declared under that name by an installed package (registered then)."""
+        self._ready()
         if name in self._entries:
             return self._entries[name]
         entry = named_entry(self.group, name, self.cls, f"{self.what} '{name}'", self.spelled)

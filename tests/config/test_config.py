@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -485,3 +486,88 @@ def test_cli_refuses_hostile_or_foreign_configs_in_one_line(tmp_path):
 
 def test_schema_defaults_pass_their_own_checks():
     assert dataclasses.asdict(load_config()) == dataclasses.asdict(Config())
+
+
+# ------------------------------------------------------------------ keys declared by their owners
+
+
+def test_a_declared_key_set_joins_its_section_and_leaves_it_again():
+    import pickle
+    from dataclasses import dataclass
+
+    from ddpkit.config import ModelConfig
+    from ddpkit.config.declared import declare, forget
+    from ddpkit.config.schema import opt
+
+    @dataclass
+    class WidthKeys:
+        """a test family's width."""
+
+        test_width: int = opt(2, "a test family's width", gt=0)
+
+    before = load_config()
+    declare("model", WidthKeys, "model.arch", "testfam")
+    try:
+        cfg = load_config(None, ["model.test_width=5"])
+        assert type(cfg.model) is ModelConfig and cfg.model.test_width == 5 and before.model.test_width == 2
+        assert pickle.loads(pickle.dumps(cfg)) == cfg and to_yaml(cfg).count("test_width: 5") == 1
+        assert "### `model.arch=testfam`: a test family's width." in describe_keys()
+        assert_one_line(["model.test_width=0"], "model.test_width must be > 0, got 0")
+        declare("model", WidthKeys, "model.arch", "otherfam")  # a second family sharing the set
+        assert "### `model.arch=testfam, otherfam`:" in describe_keys()
+
+        @dataclass
+        class Clash:
+            """a key the section has."""
+
+            n_layer: int = opt(1, "again")
+
+        with pytest.raises(ValueError, match="model.n_layer is already declared"):
+            declare("model", Clash, "model.arch", "clash")
+
+        @dataclass
+        class Untyped:
+            """a key with no opt()."""
+
+            shape: tuple = (1, 2)
+
+        with pytest.raises(TypeError, match="model.shape"):
+            declare("model", Untyped, "model.arch", "untyped")
+    finally:
+        forget(WidthKeys)
+    assert "model.test_width" not in valid_keys() and not hasattr(load_config().model, "test_width")
+    assert_one_line(["model.test_width=5"], "unknown config key 'model.test_width'")
+
+
+def assert_one_line(overrides, fragment):
+    with pytest.raises(UserError) as info:
+        load_config(None, overrides)
+    assert fragment in info.value.line() and "\n" not in info.value.line()
+
+
+def test_registries_check_their_names_at_load_and_config_imports_none_of_them():
+    # the names are checked by the registries' own checks (config/declared.py), at load as before
+    for override, line in [
+        ("dist.strategy=zer01", "unknown dist.strategy 'zer01' (did you mean 'zero1'?)"),
+        (
+            "dist.grad_compression=powrsgd",
+            "unknown dist.grad_compression 'powrsgd' (did you mean 'powersgd'?)",
+        ),
+        ("data.dataset=digit", "unknown data.dataset 'digit' (did you mean 'digits'?)"),
+    ]:
+        assert_one_line([override], line)
+    # every module that declares keys or checks is one that config loads by name before the schema is read
+    from ddpkit.config.declared import DECLARED_BY
+
+    src = REPO / "src"
+    declaring = {
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        for p in (src / "ddpkit").rglob("*.py")
+        if "from ddpkit.config.declared import" in p.read_text() and p.parent.name != "config"
+    }
+    assert declaring == set(DECLARED_BY)
+    # config/ imports none of them (tests/test_layout.py checks the folder order for every module)
+    above = re.compile(r"(import|from) ddpkit\.(models|parallel|data)\b")
+    assert [
+        p.name for p in (REPO / "src" / "ddpkit" / "config").glob("*.py") if above.search(p.read_text())
+    ] == []

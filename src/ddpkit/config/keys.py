@@ -6,8 +6,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ddpkit.config import key_specs, section_fields
 from ddpkit.config.schema import MAX_TEXT, Spec, shown
+from ddpkit.config.sections import key_specs, section_fields
 from ddpkit.errors import UserError
 
 

@@ -1,10 +1,14 @@
 """The config reference: every key with its default, type and meaning, in Markdown (`ddpkit train --help-config`,
-docs/config.md)."""
+docs/config.md); a section's own keys first, then those each model family or compression method declares, under
+its name."""
 
 from __future__ import annotations
 
-from ddpkit.config import key_specs, section_fields
+import dataclasses
+
+from ddpkit.config.declared import key_sets
 from ddpkit.config.schema import MAX_TEXT, yaml_text
+from ddpkit.config.sections import key_specs, section_fields
 
 _INTRO = """\
 # Config keys
@@ -31,14 +35,22 @@ def describe_keys() -> str:
     limits = {"max_mib": y.MAX_FILE_BYTES >> 20, "max_nodes": y.MAX_NODES, "max_depth": y.MAX_DEPTH}
     lines = [_INTRO.format(max_text=MAX_TEXT, **limits)]
     titles = {"": "Top level"} | {
-        n: f"`{n}`: {f.default_factory.__doc__}" for n, f in section_fields().items()
+        n: f"`{n}`: {f.metadata['cls'].__doc__}" for n, f in section_fields().items()
     }
+    specs = key_specs()
     for sec, title in titles.items():
+        sets = key_sets(sec) if sec else []
+        owned = {f"{sec}.{f.name}" for s in sets for f in dataclasses.fields(s.keys)}
         lines += ["", f"## {title}", ""]
-        for spec in key_specs().values():
-            if spec.key.rpartition(".")[0] == sec:
-                lines += [
-                    f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):",
-                    f"  {spec.meta.meaning}",
-                ]
+        lines += _listed(s for s in specs.values() if s.key.rpartition(".")[0] == sec and s.key not in owned)
+        for key_set in sets:  # the keys a model family or a compression method declares, under its name
+            lines += ["", f"### {key_set.title}", ""]
+            lines += _listed(specs[f"{sec}.{f.name}"] for f in dataclasses.fields(key_set.keys))
     return "\n".join(lines)
+
+
+def _listed(specs) -> list[str]:
+    out: list[str] = []
+    for spec in specs:
+        out += [f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):", f"  {spec.meta.meaning}"]
+    return out

@@ -47,11 +47,6 @@ def opt(default: Any, meaning: str, **limits: Any) -> Any:
     return field(default=default, metadata={"meta": Meta(meaning, **limits)})
 
 
-def section(cls: type, *aka: str) -> Any:
-    """A config section (a nested dataclass); `aka` are other frameworks' names for it, used in suggestions."""
-    return field(default_factory=cls, metadata={"aka": aka})
-
-
 @dataclass(frozen=True)
 class Spec:
     """One dotted key of the schema, everything about it read from its dataclass field."""

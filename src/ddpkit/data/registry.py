@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.config.declared import check_with
 from ddpkit.errors import UserError, first_line
 from ddpkit.registry import Registry
 
@@ -109,6 +110,12 @@ def get_dataset(name: str) -> DatasetEntry:
         hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(_REGISTRY)
         raise UserError(f"unknown data.dataset '{name}'", hint)
     return entry
+
+
+@check_with
+def _check_name(cfg: Config) -> None:
+    """At load: data.dataset is a registered data set (built in, registered, or an installed package's)."""
+    get_dataset(cfg.data.dataset)
 
 
 def check_available(cfg: Config) -> None:

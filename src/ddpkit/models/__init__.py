@@ -1,34 +1,29 @@
-"""Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py,
-torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data, building the
-model with its pretrained weights (weights.py).
+"""Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py, the Llama
+in llama.py, torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data,
+building the model with its pretrained weights (weights.py).
 
-torchvision and timm are imported inside the functions that need them, so `import ddpkit` stays light.
+Importing this package imports no torch (a config loads without it): the built-in families' modules are imported
+when the registry is first asked, and the config keys they own (models/keys.py) are declared now. torchvision and
+timm are imported inside the functions that need them, so `import ddpkit` stays light.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 from collections.abc import Callable
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.config import Config
+from ddpkit.config.declared import before_keys, declare
 from ddpkit.errors import UserError
-from ddpkit.models import gpt, llama, small, timm_models, torchvision_models
 from ddpkit.models.family import ModelFamily
-from ddpkit.models.small import BUILTIN, SmallCNN, build_mlp
-from ddpkit.models.timm_models import TIMM_PREFIX
-from ddpkit.models.torchvision_models import torchvision_names
-from ddpkit.models.weights import (
-    STRIP_PREFIXES,
-    check_weights_path,
-    load_matching,
-    log,
-    read_weights,
-    strip_prefixes,
-)
+from ddpkit.models.keys import BUILTIN_KEYS
 from ddpkit.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "BUILTIN",
@@ -51,14 +46,65 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "ddpkit.models"
+_FAMILY_MODULES = ("small", "gpt", "llama", "timm_models", "torchvision_models")
+_ELSEWHERE = {  # names importable from here, loaded from their modules (which import torch) when first used
+    "BUILTIN": "small",
+    "SmallCNN": "small",
+    "build_mlp": "small",
+    "TIMM_PREFIX": "timm_models",
+    "torchvision_names": "torchvision_models",
+    **dict.fromkeys(
+        ("STRIP_PREFIXES", "check_weights_path", "load_matching", "log", "read_weights", "strip_prefixes"),
+        "weights",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ELSEWHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _builtin_families() -> list[ModelFamily]:
+    return [importlib.import_module(f"{__name__}.{m}").FAMILY for m in _FAMILY_MODULES]
+
+
+def _declare_keys(family: ModelFamily) -> None:
+    for keys in family.keys:
+        declare("model", keys, "model.arch", family.name)
+
 
 # Adding a model family is one entry (register_model). They are asked in order: families of your own first
 # (newest first, so a family of your own can own any name), then the built-ins at their `order` (the cheap first).
 MODEL_FAMILIES: Registry[ModelFamily] = Registry(
-    "model", ENTRY_POINT_GROUP, ModelFamily, "ddpkit.models.ModelFamily", unordered=0, newest_first=True
+    "model",
+    ENTRY_POINT_GROUP,
+    ModelFamily,
+    "ddpkit.models.ModelFamily",
+    unordered=0,
+    newest_first=True,
+    builtins=_builtin_families,
+    added=_declare_keys,  # a family's own config keys join the schema when it is registered
 )
-for _family in (small.FAMILY, gpt.FAMILY, llama.FAMILY, timm_models.FAMILY, torchvision_models.FAMILY):
-    MODEL_FAMILIES.register(_family)
+for _arch, _sets in BUILTIN_KEYS.items():
+    for _keys in _sets:
+        declare("model", _keys, "model.arch", _arch)
+
+
+@before_keys
+def _load_named_family(given: dict[str, Any]) -> None:
+    """A config whose model.arch names a family an installed package declares (entry point `ddpkit.models`):
+    load it before the keys are checked, so that its own keys are known (their defaults too)."""
+    from importlib.metadata import entry_points
+
+    arch = given.get("model.arch")
+    if (
+        isinstance(arch, str)
+        and arch not in BUILTIN_KEYS
+        and entry_points(group=ENTRY_POINT_GROUP, name=arch)
+    ):
+        model_family(arch)
 
 
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
@@ -99,8 +145,11 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
             "pass a weights file path as model.pretrained, or pick a torchvision arch such as resnet18",
         )
     if pretrained and pretrained != "torchvision":
+        from ddpkit.models.weights import check_weights_path
+
         check_weights_path(pretrained)
     if cfg.model.init_from:
+        from ddpkit.models import gpt, llama
         from ddpkit.models.hf import is_hf_folder
 
         if family not in (gpt.FAMILY, llama.FAMILY):
@@ -118,6 +167,7 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     """A language model needs token data and a classifier images; the GPT's width fits its heads."""
     from ddpkit.data.registry import get_dataset
+    from ddpkit.models import llama
 
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens
@@ -159,6 +209,8 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
     is refused before anything is allocated."""
     if not family.tokens:
         return
+    from ddpkit.models import gpt
+
     m = cfg.model
     params, activations = gpt.estimate(
         m.n_layer, m.n_head, m.n_embd, cfg.data.block_size, cfg.train.batch_size
@@ -202,6 +254,9 @@ def build_model(
     image shape. `report` receives the line saying what the pretrained weights filled in (default: the
     `ddpkit.models` logger).
     """
+    from ddpkit.models import torchvision_models
+    from ddpkit.models.weights import load_matching, log, read_weights
+
     arch, pretrained = cfg.model.arch, cfg.model.pretrained
     family = model_family(arch)
     _check_data_kind(cfg, family)

@@ -1,18 +1,19 @@
 """What a model family is: the model.arch names it owns, a cheap check of a name, the builder, and its parallel
-facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes). Every
-family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models); parallel/ and train/
-ask the family and name no model. A stack-of-blocks model gets all of its parallel facts from one
+facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes) and its
+own config keys. Every family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models);
+parallel/ and train/ ask the family and name no model. A stack-of-blocks model gets all of its parallel facts from one
 `ddpkit.models.blocks.BlockStack`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ModelFamily:
     checkpointed: Callable[[nn.Module], list[nn.Module]] | None = (
         None  # the blocks activation checkpointing wraps
     )
+    # its own config keys: dataclasses of opt() fields, added to the `model` section when the family is
+    # registered (`cfg.model.my_width`) and documented under it in --help-config (config/declared.py)
+    keys: tuple[type, ...] = ()
 
     @property
     def tokens(self) -> bool:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import ModelFamily
+from ddpkit.models.keys import BUILTIN_KEYS
 
 
 class CausalSelfAttention(nn.Module):
@@ -186,5 +187,6 @@ FAMILY = ModelFamily(
     build_lm=_build_gpt,
     module_types=(GPT,),
     **STACK.family_fields(),
+    keys=BUILTIN_KEYS["gpt"],
     order=200,
 )

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import ModelFamily
 from ddpkit.models.gpt import _no_images
+from ddpkit.models.keys import BUILTIN_KEYS
 
 
 def swiglu_width(n_embd: int, given: int | None) -> int:
@@ -184,5 +185,6 @@ FAMILY = ModelFamily(
     build_lm=_build_llama,
     module_types=(Llama,),
     **STACK.family_fields(),
+    keys=BUILTIN_KEYS["llama"],
     order=300,
 )

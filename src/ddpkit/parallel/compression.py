@@ -8,11 +8,14 @@ package of your own (an entry point in the `ddpkit.compression` group). Importin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpkit import _moved
+from ddpkit.config.declared import before_keys, check_with, declare, key_sets
+from ddpkit.config.schema import opt
 from ddpkit.errors import UserError
 from ddpkit.registry import Registry
 
@@ -31,7 +34,9 @@ class CompressionMethod:
     `Compression` value: powersgd_rank, ...) and returns what holds its state (None when stateless);
     `state_dict(holder)` / `load_state_dict(holder, saved, device)`: that state in a checkpoint (one per rank);
     `restore(saved_per_rank, rank, world_size) -> (state or None, message or None)`: what this rank takes from
-    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped).
+    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped);
+    `keys`: the method's own config keys, a dataclass of `opt()` fields added to the `dist` section
+    (`dist.powersgd_rank`), documented under the method in --help-config.
     """
 
     name: str
@@ -40,6 +45,7 @@ class CompressionMethod:
     state_dict: Callable[[Any], dict | None] = lambda holder: None
     load_state_dict: Callable[[Any, dict, Any], None] = lambda holder, saved, device: None
     restore: Callable[[list[dict], int, int], tuple[dict | None, str | None]] = _no_restore
+    keys: type | None = None
 
 
 def _fp16(ddp: Any, options: Any) -> None:
@@ -54,17 +60,39 @@ def _bf16(ddp: Any, options: Any) -> None:
     ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
+def _declare_keys(method: CompressionMethod) -> None:
+    if method.keys is not None:
+        declare("dist", method.keys, "dist.grad_compression", method.name)
+
+
 _REGISTRY: Registry[CompressionMethod] = Registry(
     "compression method",
     ENTRY_POINT_GROUP,
     CompressionMethod,
     "ddpkit.parallel.compression.CompressionMethod",
+    added=_declare_keys,  # a method's own config keys join the schema when it is registered
 )
 
 
 def register_compression(method: CompressionMethod, *, replace: bool = False) -> CompressionMethod:
-    """Make `method.name` a valid dist.grad_compression; refuses to shadow a name unless replace=True."""
+    """Make `method.name` a valid dist.grad_compression (and its `keys` config keys); refuses to shadow a name
+    unless replace=True."""
     return _REGISTRY.register(method, replace=replace)
+
+
+@dataclass
+class PowerSGDKeys:
+    """PowerSGD's low-rank approximation."""
+
+    powersgd_rank: int = opt(1, "PowerSGD's matrix approximation rank (more: closer, more bytes)", gt=0)
+    powersgd_warmup_steps: int = opt(
+        10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
+    )
+
+
+# PowerSGD's method (powersgd.py, METHOD: keys=PowerSGDKeys) imports torch and is registered when first asked
+# for; its keys are declared now, so a config that sets them loads without torch
+declare("dist", PowerSGDKeys, "dist.grad_compression", "powersgd")
 
 
 register_compression(CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None))
@@ -98,17 +126,41 @@ def get_compression(name: str) -> CompressionMethod:
     return method
 
 
+@before_keys
+def _load_named_method(given: dict[str, Any]) -> None:
+    """A config whose dist.grad_compression names a method an installed package declares: load it before the
+    keys are checked, so that its own keys are known."""
+    name = given.get("dist.grad_compression")
+    if isinstance(name, str) and name not in compression_names():
+        _REGISTRY.find(name)  # registers it (its keys declared) when a package declares it; checked at load
+
+
+@check_with
+def _check_name(cfg: Any) -> None:
+    """At load: dist.grad_compression is a registered method (built in, registered, or an installed package's)."""
+    get_compression(cfg.dist.grad_compression)
+
+
 @dataclass(frozen=True)
 class Compression:
-    """dist.grad_compression and its options, as one value the DDP strategy registers."""
+    """dist.grad_compression and its options, as one value the DDP strategy registers: PowerSGD's, and
+    `settings`, the values of the keys the method declares (`CompressionMethod.keys`), by name."""
 
     kind: str = "none"
     powersgd_rank: int = 1
     powersgd_warmup_steps: int = 10
+    settings: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_config(cls, dist_cfg: Any) -> Compression:
-        return cls(dist_cfg.grad_compression, dist_cfg.powersgd_rank, dist_cfg.powersgd_warmup_steps)
+        kind = dist_cfg.grad_compression
+        own = [f.name for s in key_sets("dist") if kind in s.owners for f in dataclasses.fields(s.keys)]
+        settings = tuple((name, getattr(dist_cfg, name)) for name in own)
+        return cls(kind, dist_cfg.powersgd_rank, dist_cfg.powersgd_warmup_steps, settings)
+
+    def setting(self, name: str) -> Any:
+        """The value of the method's own config key `name` (dist.NAME)."""
+        return dict(self.settings)[name]
 
     @property
     def method(self) -> CompressionMethod:

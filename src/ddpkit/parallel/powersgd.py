@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpkit.parallel.compression import CompressionMethod
+from ddpkit.parallel.compression import CompressionMethod, PowerSGDKeys
 
 
 def _plan(state: Any, shapes: list[torch.Size]) -> list[tuple[int, int, int] | None]:
@@ -193,4 +193,5 @@ METHOD = CompressionMethod(
     state_dict=lambda hook: hook.state_dict(),
     load_state_dict=lambda hook, saved, device: hook.load_state_dict(saved, device),
     restore=_restore,
+    keys=PowerSGDKeys,
 )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpkit import _moved
+from ddpkit.config.declared import check_with
 from ddpkit.errors import UserError
 from ddpkit.registry import Registry
 
@@ -115,6 +116,30 @@ def get_strategy(name: str, key: str = "dist.strategy") -> StrategyEntry:
         hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(names)
         raise UserError(f"unknown {key} '{name}'", hint)
     return entry
+
+
+@check_with
+def _check_config(cfg: Any) -> None:
+    """At load: dist.strategy is a registered strategy, and DDP's knobs are set only for one with a DDP wrapper."""
+    d = cfg.dist
+    if d.strategy == "auto":
+        return
+    entry = get_strategy(d.strategy)
+    knobs = [
+        f"dist.{k}={v}"
+        for k, v, default in (
+            ("grad_compression", d.grad_compression, "none"),
+            ("bucket_cap_mb", d.bucket_cap_mb, None),
+            ("static_graph", d.static_graph, False),
+            ("grad_as_bucket_view", d.grad_as_bucket_view, False),
+        )
+        if v != default
+    ]
+    if knobs and not entry.ddp_knobs:
+        raise UserError(
+            f"{knobs[0]} is a DDP setting, but dist.strategy={d.strategy} has no DDP wrapper",
+            "use dist.strategy=ddp, zero1 or auto, or drop the setting",
+        )
 
 
 def resolve_strategy(name: str, world_size: int) -> str:

@@ -1,0 +1,153 @@
+"""Keys declared by their owners: a model family's (model.n_layer, ...) or a compression method's
+(dist.powersgd_rank, ...) keys, added to a section of the schema, and the checks a registry makes of a loaded
+config (a strategy, compression method or data-set name it knows).
+
+config/ sits below the folders that own these keys, so it never imports them: each owner declares here what it
+owns, when its module is imported (`declare`, `check_with`, `before_keys`). The modules that do so for ddpkit's
+own families, methods and registries are named in `DECLARED_BY` and imported once, before the schema is first
+read, the way an installed package's entry point is loaded by name; a family from an installed package declares
+its keys when its entry point loads (ddpkit.models).
+
+A key set is a dataclass of `opt()` fields (its docstring: what the keys are for); its fields become fields of
+the section's own dataclass (`cfg.model.n_layer`), so defaults, types, bounds, errors, config.yaml and
+`--help-config` treat a declared key as any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpkit.config.schema import spec_of
+
+# ddpkit's own modules that declare keys or checks at import, in the order their checks run
+DECLARED_BY = (
+    "ddpkit.parallel.strategy",
+    "ddpkit.parallel.compression",
+    "ddpkit.data.registry",
+    "ddpkit.models",
+)
+
+
+@dataclass
+class KeySet:
+    """One declared set of keys: its section, its dataclass, and who owns it (`by`=`owners`, e.g. model.arch=gpt)."""
+
+    section: str
+    keys: type
+    by: str
+    owners: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        """What --help-config heads the set with: '`model.arch=gpt, llama`: the decoder's size, ...'."""
+        return f"`{self.by}={', '.join(self.owners)}`: {self.keys.__doc__}"
+
+
+_SECTIONS: dict[str, type] = {}  # section name -> its dataclass (set by config/sections.py)
+_SETS: dict[type, KeySet] = {}  # key-set dataclass -> where it went, in declaration order
+_CHECKS: list[Callable[[Any], None]] = []
+_BEFORE: list[Callable[[dict[str, Any]], None]] = []
+_state = {"loaded": False, "generation": 0}
+
+
+def own_sections(sections: dict[str, type]) -> None:
+    """The schema's sections by name, to which keys are declared (config/sections.py)."""
+    _SECTIONS.update(sections)
+
+
+def load_declarers() -> None:
+    """Import ddpkit's declaring modules once (each declares its keys and checks as it is imported)."""
+    if not _state["loaded"]:
+        _state["loaded"] = True
+        for name in DECLARED_BY:
+            importlib.import_module(name)
+
+
+def generation() -> int:
+    """A number that changes whenever a key is declared (what a cache of the schema is valid for)."""
+    return _state["generation"]
+
+
+def declare(section: str, keys: type, by: str, owner: str) -> None:
+    """Add the fields of dataclass `keys` (each `opt(default, meaning, bounds...)`) to config section `section`,
+    owned by `owner` (a value of config key `by`: a family's model.arch, a method's dist.grad_compression). The
+    same `keys` declared again by another owner adds the owner; a key that the section has already is refused."""
+    if keys in _SETS:
+        if owner not in _SETS[keys].owners:
+            _SETS[keys].owners.append(owner)
+        return
+    cls = _SECTIONS[section]
+    hints = typing.get_type_hints(keys)
+    new = dataclasses.fields(keys)
+    taken = [f.name for f in new if f.name in cls.__dataclass_fields__]
+    if taken:
+        raise ValueError(
+            f"config key {section}.{taken[0]} is already declared: give {owner}'s key another name"
+        )
+    for f in new:
+        spec_of(f"{section}.{f.name}", f, hints[f.name])  # a scalar type and opt(), or a TypeError now
+    hints = {**typing.get_type_hints(cls), **hints}
+    _remake(cls, [*dataclasses.fields(cls), *new], hints)
+    _SETS[keys] = KeySet(section, keys, by, [owner])
+    _state["generation"] += 1
+
+
+def forget(keys: type) -> None:
+    """Take a declared key set off its section again (a test's or a session's own family)."""
+    key_set = _SETS.pop(keys, None)
+    if key_set is not None:
+        cls, gone = _SECTIONS[key_set.section], {f.name for f in dataclasses.fields(keys)}
+        kept = [f for f in dataclasses.fields(cls) if f.name not in gone]
+        _remake(cls, kept, typing.get_type_hints(cls))
+        for name in gone:
+            delattr(cls, name)
+        _state["generation"] += 1
+
+
+def _remake(cls: type, fields: list[dataclasses.Field], hints: dict[str, Any]) -> None:
+    """Make `cls` a dataclass of `fields` (typed by `hints`): the same class object, so every reference to it
+    (annotations, isinstance, pickle) stays valid, and an instance made before reads a new key's default from
+    the class."""
+    for name in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__"):
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for f in fields:  # declared again (dataclass replaced each field by its default)
+        setattr(cls, f.name, dataclasses.field(default=f.default, metadata=f.metadata))
+    cls.__annotations__ = {f.name: hints[f.name] for f in fields}
+    dataclasses.dataclass(cls)
+
+
+def key_sets(section: str | None = None) -> list[KeySet]:
+    """The declared key sets (of `section`), in the order they were declared."""
+    return [s for s in _SETS.values() if section is None or s.section == section]
+
+
+def check_with(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Run `check(cfg)` on every loaded config (after its values are typed; raise a UserError to refuse it)."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+    return check
+
+
+def before_keys(hook: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """Call `hook(given)` with the dotted keys a config gives, before they are checked against the schema: a
+    registry may load the owner of a value there (a family named by model.arch), which declares its keys."""
+    if hook not in _BEFORE:
+        _BEFORE.append(hook)
+    return hook
+
+
+def run_before_keys(given: dict[str, Any]) -> None:
+    load_declarers()
+    for hook in list(_BEFORE):
+        hook(given)
+
+
+def run_checks(cfg: Any) -> None:
+    for check in list(_CHECKS):
+        check(cfg)
