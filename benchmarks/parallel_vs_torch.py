@@ -101,6 +101,7 @@ def ddpkit_command(args: argparse.Namespace, layout: str, out: str) -> list[str]
         f"out_dir={out}",
         "--nproc-per-node",
         str(nproc),
+        *(["--oversubscribe"] if nproc > (os.cpu_count() or 1) else []),
     ]
 
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--block", type=int, default=64, help="tokens of context (data.block_size)")
     p.add_argument(
-        "--text-bytes", type=int, default=19000, help="data.text_bytes: 16 steps of 16 sequences an epoch"
+        "--text-bytes", type=int, default=40000, help="data.text_bytes: 34 steps of 16 sequences an epoch"
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, tp2 and fsdp, 1 round")
     common.add_run_options(p)
