@@ -11,7 +11,7 @@ which its family declares (`ModelFamily.tp_plan`, `pp_stage`, `pp_check`, `check
   the embeddings and the head stay replicated. The attention counts its heads from the tensor it gets, so the
   module is unchanged. Sequence parallelism is on where it pays: over NCCL (its all-gather and reduce-scatter
   are cheap, and it saves 1/tp of the norms' activations); over gloo each block's extra all-gather and
-  reduce-scatter cost more than they save (0.52x the tokens/s of the plan without them, benchmarks/RESULTS.md
+  reduce-scatter cost more than they save (0.74x the tokens/s of the plan without them, benchmarks/RESULTS.md
   §16), so there the residual stream stays replicated, as a hand-written Colwise/Rowwise plan has it.
 """
 

@@ -75,10 +75,11 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules that get a shard group of their own. A model with containers of blocks (ModuleDict /
     ModuleList children: a transformer's blocks, never called as a whole) shards each block as a unit and leaves
     its other parts (embeddings, final norm, head) to the root's group, as torch's FSDP2 examples draw them: as
-    separate units those small parts cost a gather and a reduce-scatter each per step (fsdp at 0.88x hand-written
-    FSDP2 on gloo, benchmarks/RESULTS.md §16). A model without such containers shards each top-level child that
-    holds trainable parameters. Units that share a parameter (a head tied to the token embedding) are left to
-    the root's group, which holds a shared parameter once for all the modules that use it."""
+    separate units those small parts cost a gather and a reduce-scatter each per step (fsdp at 0.865x
+    hand-written FSDP2 on gloo, 0.964x without them: benchmarks/RESULTS.md §16). A model without such
+    containers shards each top-level child that holds trainable parameters. Units that share a parameter (a head
+    tied to the token embedding) are left to the root's group, which holds a shared parameter once for all the
+    modules that use it."""
     import collections
 
     import torch.nn as nn
