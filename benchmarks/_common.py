@@ -109,3 +109,53 @@ def sgd_overrides(lr: float, momentum: float, weight_decay: float) -> list[str]:
 
 def python() -> str:
     return sys.executable
+
+
+def alternated(rounds: int, sides: tuple[str, str], run, label: str, unit: str) -> list[dict[str, Any]]:
+    """`run(side)` for both sides `rounds` times, alternately (A B, B A, ...), each run printed as it ends; run
+    returns a dict with the rate under `unit`, "load1", "other_cores" and "wall_s"; the runs, "side" added."""
+    runs = []
+    for rnd in range(rounds):
+        for side in sides if rnd % 2 == 0 else sides[::-1]:
+            r = {"side": side, **run(side)}
+            print(
+                f"  {label} round {rnd + 1} {side}: {r[unit]:.0f} {unit.replace('_per_s', '')}/s "
+                f"(load {r['load1']:.1f}, other {r['other_cores'] or 0:.2f} cores, {r['wall_s']:.0f} s)",
+                flush=True,
+            )
+            runs.append(r)
+    return runs
+
+
+def compared(
+    runs: list[dict[str, Any]], sides: tuple[str, str], unit: str
+) -> tuple[dict[str, float], str, str]:
+    """({side: median rate}, each round's ratio "0.98 / 1.01", the load averages' range "2.1-3.4") of `runs`."""
+    import statistics
+
+    med = {s: statistics.median(r[unit] for r in runs if r["side"] == s) for s in sides}
+    a, b = ([r[unit] for r in runs if r["side"] == s] for s in sides)
+    each = " / ".join(f"{x / y:.2f}" for x, y in zip(a, b, strict=True))
+    loads = [r["load1"] for r in runs]
+    return med, each, f"{min(loads):.1f}-{max(loads):.1f}"
+
+
+def add_run_options(p) -> None:
+    """The options of a benchmark that runs both sides as subprocesses: --json, --echo, --dry-run (and the hidden
+    --worker / --out its own hand-written side is started with)."""
+    import argparse
+
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--echo", action="store_true", help="show the runs' output")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def parse_run_args(p, argv: list[str] | None):
+    """(args, the arguments given) of a benchmark with add_run_options and --epochs (2 .. E-1 timed)."""
+    raw = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(raw)
+    if args.epochs < 3:
+        p.error("--epochs must be at least 3 (epochs 2 .. E-1 are timed)")
+    return args, raw

@@ -32,7 +32,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -248,15 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternated runs of each side per setting")
     p.add_argument("--epochs", type=int, default=6, help="epochs per run (2 .. E-1 are timed)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--json", type=Path, help="also write the raw results here")
-    p.add_argument("--echo", action="store_true", help="show the runs' output")
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    raw = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(raw)
-    if args.epochs < 3:
-        p.error("--epochs must be at least 3 (epochs 2 .. E-1 are timed)")
+    common.add_run_options(p)
+    args, raw = common.parse_run_args(p, argv)
     if args.worker:
         worker(args)
         return 0
@@ -268,40 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"launch-bound ddpkit train vs a hand-written loop: {common.machine_line(m)}", flush=True)
     table, raw_runs, ratios = [], [], []
     for setting in settings(args):
-        runs = []
-        for rnd in range(args.rounds):
-            for side in ("ddpkit", "plain") if rnd % 2 == 0 else ("plain", "ddpkit"):
-                r = run_side(side, setting, args.epochs, args.device, args.echo)
-                print(
-                    f"  {setting} round {rnd + 1} {side}: {r['images_per_s']:.0f} images/s "
-                    f"(load {r['load1']:.1f}, other {r['other_cores'] or 0:.2f} cores)",
-                    flush=True,
-                )
-                runs.append(r)
-        med = {
-            s: statistics.median(r["images_per_s"] for r in runs if r["side"] == s)
-            for s in ("ddpkit", "plain")
-        }
+        sides = ("ddpkit", "plain")
+        runs = common.alternated(
+            args.rounds,
+            sides,
+            lambda side, setting=setting: run_side(side, setting, args.epochs, args.device, args.echo),
+            str(setting),
+            "images_per_s",
+        )
+        med, each, loads = common.compared(runs, sides, "images_per_s")
         ratio = med["ddpkit"] / med["plain"]
         ratios.append(ratio)
-        each = " / ".join(
-            f"{a['images_per_s'] / b['images_per_s']:.2f}"
-            for a, b in zip(
-                [r for r in runs if r["side"] == "ddpkit"],
-                [r for r in runs if r["side"] == "plain"],
-                strict=True,
-            )
-        )
-        loads = [r["load1"] for r in runs]
         table.append(
-            [
-                *setting,
-                f"{med['ddpkit']:.0f}",
-                f"{med['plain']:.0f}",
-                f"**{ratio:.3f}**",
-                each,
-                f"{min(loads):.1f}-{max(loads):.1f}",
-            ]
+            [*setting, f"{med['ddpkit']:.0f}", f"{med['plain']:.0f}", f"**{ratio:.3f}**", each, loads]
         )
         raw_runs.append({"setting": setting, "runs": runs, "ratio": ratio})
     print()

@@ -3,8 +3,7 @@
 and the time to the first step, 2 processes (gloo).
 
 Pipeline: Schedule1F1B, 4 micro-batches. The hand-written pipeline cuts the model at a module boundary by hand
-(each rank keeps its half of the blocks and deletes the rest: ddpkit's own GPT recipe,
-parallel/pipeline/split.gpt_stage); prepare() cuts the user's model where `pp_split` begins
+(each rank keeps its half of the blocks and deletes the rest: `cut_stage`); prepare() cuts the user's model where `pp_split` begins
 (parallel/pipeline/eager.py). Tensor parallel: both split the model by the same plan (ddpkit's GPT plan).
 Every run trains the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the runs take turns in
 one process group (`--rounds` alternations, medians reported).
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.models.gpt import GPT, lm_loss
+from ddpkit.models.gpt import GPT, STACK, lm_loss
 
 
 def _setup(args):
@@ -35,16 +34,34 @@ def _setup(args):
     return model, x, torch.roll(x, -1, dims=1)
 
 
-def _handwritten(args):
+def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+    """Pipeline stage `stage` of `n_stages` of a GPT, in place, by hand: its consecutive blocks kept, the others
+    deleted, the embeddings on the first stage only, the final norm and head on the last only."""
+    per = len(model.blocks) // n_stages
+    for name in list(model.blocks.keys()):
+        if int(name) // per != stage:
+            del model.blocks[name]
+    if stage > 0:
+        model.tok_emb = model.pos_emb = None
+    if stage < n_stages - 1:
+        model.ln_f = model.head = None
+    return model
+
+
+def schedule_1f1b(stage_module, stage: int, n_stages: int, microbatches: int, group=None):
+    """torch.distributed.pipelining's Schedule1F1B over one stage module per rank (lm_loss on the last)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from ddpkit.parallel.pipeline.split import gpt_stage
+    piped = PipelineStage(stage_module, stage, n_stages, torch.device("cpu"), group=group)
+    return Schedule1F1B(piped, microbatches, loss_fn=lm_loss)
 
+
+def _handwritten(args):
     model, x, y = _setup(args)
     rank = dist.get_rank()
-    stage = gpt_stage(model, rank, 2)
+    stage = cut_stage(model, rank, 2)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-    schedule = Schedule1F1B(PipelineStage(stage, rank, 2, torch.device("cpu")), 4, loss_fn=lm_loss)
+    schedule = schedule_1f1b(stage, rank, 2, 4)
 
     def step():
         if rank == 0:
@@ -76,10 +93,9 @@ def _tp_handwritten(args):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ddpkit.parallel.mesh.tensor import plan_for
-
     model, x, y = _setup(args)
-    parallelize_module(model, init_device_mesh("cpu", (2,)), plan_for(model, 2))
+    plan = STACK.tp_plan(model, sequence_parallel=args.sequence_parallel)
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
@@ -92,7 +108,9 @@ def _tp_handwritten(args):
 
 def _tp_ported(args):
     model, x, y = _setup(args)
-    model, opt = ddpkit.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), tp=2)
+    # None: prepare's own plan (no sequence parallelism over gloo)
+    plan = STACK.tp_plan(model, sequence_parallel=True) if args.sequence_parallel else None
+    model, opt = ddpkit.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), tp=2, tp_plan=plan)
 
     def step():
         lm_loss(model(x), y).backward()
@@ -143,6 +161,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="alternations of the runs (medians reported)")
     p.add_argument("--only", choices=("pp", "tp", "both"), default="both")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="tp: both sides with sequence parallelism (the NCCL plan)",
+    )
     args = p.parse_args()
     result = ddpkit.launch(_measure, args, nprocs=2)[0]
     for kind in ("pp", "tp"):

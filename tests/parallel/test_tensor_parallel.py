@@ -214,8 +214,8 @@ def _layouts_on_two(rank, world_size):
 
     return {
         "tp2": _prepared_run(rank, world_size, _gpt, {"tp": 2}),
-        "tp2_no_sp": _prepared_run(
-            rank, world_size, _gpt, {"tp": 2, "tp_plan": STACK.tp_plan(_gpt(), sequence_parallel=False)}
+        "tp2_sp": _prepared_run(  # sequence parallel, the default over NCCL, by hand on gloo
+            rank, world_size, _gpt, {"tp": 2, "tp_plan": STACK.tp_plan(_gpt(), sequence_parallel=True)}
         ),
         "user_tp2": _prepared_run(
             rank, world_size, TinyTransformer.make, {"tp": 2, "tp_plan": TinyTransformer.plan()}
@@ -234,9 +234,33 @@ def test_prepare_layouts_on_two_ranks_equal_one_process(references):
 
     out = run_group(_layouts_on_two, 2, timeout=240)[0]  # the full state is gathered on rank 0
     _assert_close(out["tp2"], references["gpt"])
-    _assert_close(out["tp2_no_sp"], references["gpt"])
+    _assert_close(out["tp2_sp"], references["gpt"])
     _assert_close(out["zero2_ckpt"], references["gpt"])
     _assert_close(out["user_tp2"], references["user"])
+
+
+def test_sequence_parallelism_is_in_the_built_in_plan_over_nccl_only():
+    """Over gloo its all-gather and reduce-scatter per block cost more than they save (benchmarks/RESULTS.md
+    §16): the plan built there is the plain Colwise/Rowwise one; over NCCL (and on a stage: never) as before."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from conftest import free_port
+    from ddpkit.models.blocks import sequence_parallel_pays
+    from ddpkit.models.gpt import STACK
+
+    assert sequence_parallel_pays("nccl") and sequence_parallel_pays("cpu:gloo,cuda:nccl")
+    assert not sequence_parallel_pays("gloo") and not sequence_parallel_pays("none")
+    model = _gpt()
+    assert not any(isinstance(s, SequenceParallel) for s in STACK.plan(model, 2).values())  # no group: off
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "gloo"
+        assert not any(isinstance(s, SequenceParallel) for s in STACK.plan(model, 2).values())
+    finally:
+        dist.destroy_process_group()
+    sp = STACK.tp_plan(model, sequence_parallel=sequence_parallel_pays("nccl"))
+    assert sum(isinstance(s, SequenceParallel) for s in sp.values()) == 2 * model.n_layer + 1  # norms, ln_f
 
 
 # ----------------------------------------------------------- `ddpkit train` on the built-in transformer, per layout

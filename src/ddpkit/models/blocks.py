@@ -9,7 +9,10 @@ which its family declares (`ModelFamily.tp_plan`, `pp_stage`, `pp_check`, `check
   projections row-parallel (their partial sums reduced); with sequence parallelism the block norms, the final norm
   and the residual stream between the blocks hold 1/tp of the sequence each (all-gather in, reduce-scatter out),
   the embeddings and the head stay replicated. The attention counts its heads from the tensor it gets, so the
-  module is unchanged.
+  module is unchanged. Sequence parallelism is on where it pays: over NCCL (its all-gather and reduce-scatter
+  are cheap, and it saves 1/tp of the norms' activations); over gloo each block's extra all-gather and
+  reduce-scatter cost more than they save (0.74x the tokens/s of the plan without them, benchmarks/RESULTS.md
+  §16), so there the residual stream stays replicated, as a hand-written Colwise/Rowwise plan has it.
 """
 
 from __future__ import annotations
@@ -77,11 +80,11 @@ class BlockStack:
 
     def plan(self, model: nn.Module, tp: int) -> dict[str, Any]:
         """The parallelize_module plan of `model` or of a pipeline stage of it over `tp` ranks (its heads and
-        width checked): sequence parallel on a whole model, not on a stage (a stage takes and gives whole hidden
-        states)."""
+        width checked): sequence parallel on a whole model where it pays (sequence_parallel_pays), not on a
+        stage (a stage takes and gives whole hidden states)."""
         check_heads(model, tp)
         whole = all(getattr(model, part, None) is not None for part in (self.first[0], self.last[-1]))
-        return self.tp_plan(model, sequence_parallel=whole)
+        return self.tp_plan(model, sequence_parallel=whole and sequence_parallel_pays())
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
         from torch.distributed.tensor import Replicate, Shard
@@ -126,6 +129,16 @@ class BlockStack:
             "pp_check": self.check,
             "checkpointed": self.blocks,
         }
+
+
+def sequence_parallel_pays(backend: str | None = None) -> bool:
+    """Sequence parallelism pays over NCCL and not over gloo (benchmarks/RESULTS.md §16); `backend`: the default
+    process group's (none initialised: no sequence parallelism)."""
+    if backend is None:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
+    return "nccl" in backend
 
 
 def check_heads(model: nn.Module, tp: int, names: Sequence[str] = ("n_head", "n_embd", "n_kv_head")) -> None:

@@ -72,18 +72,26 @@ class FSDPStrategy(Strategy):
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that get a shard group of their own: each top-level child that holds trainable parameters,
-    and inside a container (ModuleDict / ModuleList: a model's blocks, never called as a whole) each element. Units
-    that share a parameter (a head tied to the token embedding) are left to the root's group, which holds a shared
-    parameter once for all the modules that use it."""
+    """The modules that get a shard group of their own. A model with containers of blocks (ModuleDict /
+    ModuleList children: a transformer's blocks, never called as a whole) shards each block as a unit and leaves
+    its other parts (embeddings, final norm, head) to the root's group, as torch's FSDP2 examples draw them: as
+    separate units those small parts cost a gather and a reduce-scatter each per step (fsdp at 0.865x
+    hand-written FSDP2 on gloo, 0.964x without them: benchmarks/RESULTS.md §16). A model without such
+    containers shards each top-level child that holds trainable parameters. Units that share a parameter (a head
+    tied to the token embedding) are left to the root's group, which holds a shared parameter once for all the
+    modules that use it."""
     import collections
 
     import torch.nn as nn
 
-    units = []
-    for child in model.children():
-        parts = list(child.children()) if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
-        units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
+    def trainable(m: nn.Module) -> bool:
+        return any(p.requires_grad for p in m.parameters())
+
+    containers = [c for c in model.children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
+    if containers:
+        units = [m for c in containers for m in c.children() if trainable(m)]
+    else:
+        units = [m for m in model.children() if trainable(m)]
     uses = collections.Counter(id(p) for m in units for p in m.parameters())
     return [m for m in units if all(uses[id(p)] == 1 for p in m.parameters())]
 
