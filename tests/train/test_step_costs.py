@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import dist_context, run_group
+from conftest import GPT_RUN, GPT_TEXT, dist_context, run_group
 from ddpkit.config import load_config
 from ddpkit.train.trainer import Trainer
 
@@ -56,12 +56,14 @@ class Counter:
         setattr(owner, name, counted)
 
 
-def _between_log_points(rank: int, world_size: int, out_dir: str, steps: int) -> dict[str, int]:
+def _between_log_points(
+    rank: int, world_size: int, out_dir: str, steps: int, run: tuple[str, ...] = tuple(SMALL)
+) -> dict[str, int]:
     """Train `steps` + 1 optimizer steps with train.log_every past them; count host reads, memory-format copies
     and Python-level collectives from the end of the first step (start-up, memory probe) to the end of the loop."""
     cfg = load_config(
         None,
-        [f"out_dir={out_dir}", *SMALL, "train.batch_size=16", f"train.max_steps={steps + 1}"]
+        [f"out_dir={out_dir}", *run, "train.batch_size=16", f"train.max_steps={steps + 1}"]
         + ["train.log_every=1000", "train.epochs=1", "report.curves=false"],
     )
     trainer = Trainer(cfg, dist_context(rank, world_size))
@@ -105,6 +107,20 @@ def test_steps_between_log_points_read_nothing_from_the_device_and_start_no_coll
     # batches are not converted to channels_last (model.channels_last=true, the default, is for convolutions).
     results = run_group(_between_log_points, 2, str(tmp_path / "run"), 12)
     assert results == [{}, {}], results
+
+
+@pytest.mark.slow
+def test_pipeline_steps_between_log_points_start_no_collective_but_the_schedules_own(tmp_path):
+    # dist.pp=2 (the GPT cut in two, untied: no shared weight to sum): the stages' sends and receives are the
+    # pipeline's own; the loss reaches the first stage's progress line at the log points only (before: a
+    # broadcast after every step, a wait of every stage for the last). 4 steps between log points.
+    text = tmp_path / "corpus.txt"
+    text.write_text(GPT_TEXT)
+    gpt = [a for a in GPT_RUN if not a.startswith("train.log_every")]
+    run = (*gpt, f"data.root={text}", "dist.pp=2", "model.tie_embeddings=false", "train.log_every=1000")
+    results = run_group(_between_log_points, 2, str(tmp_path / "run"), 4, run)
+    # (`contiguous` here is the stage edges' own: what a stage sends must be contiguous, a no-op when it is)
+    assert [{k: n for k, n in r.items() if k != "contiguous"} for r in results] == [{}, {}], results
 
 
 class _Recording:

@@ -220,7 +220,9 @@ class Trainer:
                     self.steps_per_epoch,
                     epoch,
                     cfg.train.epochs,
-                    self.pipeline.progress_sums(state.sums) if self.pipeline else state.sums,
+                    self.pipeline.progress_sums(state.sums, done, self.steps_per_epoch, cfg.train.log_every)
+                    if self.pipeline
+                    else state.sums,
                     cfg.train.log_every,
                 )
                 log_point = done % cfg.train.log_every == 0

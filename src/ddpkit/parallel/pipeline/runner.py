@@ -163,12 +163,12 @@ class PipelineRunner:
         return dist.get_global_rank(self.pp_group, stage % self.pp)
 
     def step(
-        self, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False, share_loss: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Forward and backward of one batch (cut into the micro-batches); gradients are those of the batch's
         mean loss (`accumulate`: added to the gradients already there). Returns that loss (detached) on every
-        rank of the pipeline, and the last stage's output of the whole batch on the rank running it (None
-        elsewhere)."""
+        rank of the pipeline (`share_loss=False`: on the last stage's rank only, None elsewhere, and no
+        collective), and the last stage's output of the whole batch on the rank running it (None elsewhere)."""
         self.train()
         # the schedule divides every gradient by the micro-batches at its end, those already there too: they
         # are set aside and added back
@@ -181,17 +181,20 @@ class PipelineRunner:
         target = y.to(self.device) if self.last else None
         with self.autocast():
             out = self.schedule.step(*args, target=target, losses=losses, return_outputs=self.last)
-        loss = (
-            torch.stack([v.detach().float() for v in losses]).mean()
-            if self.last
-            else torch.zeros((), device=self.device)
-        )
-        dist.broadcast(loss, src=self._owner(self.n_stages - 1), group=self.pp_group)
+        loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else None
+        if share_loss:
+            loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
         self._sum_shared_grads()
         for p, g in zip(params, kept, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return loss, (_local(out).detach() if self.last and out is not None else None)
+
+    def from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the last stage's rank holds it, on every rank of this pipeline (collective over it; the other
+        ranks pass a tensor of the same shape and dtype, which is overwritten)."""
+        dist.broadcast(t, src=self._owner(self.n_stages - 1), group=self.pp_group)
+        return t
 
     def _uses(self, shared) -> bool:
         return any(sid in self.ids for sid in shared.stages)

@@ -34,21 +34,34 @@ class PipelineParts:
     coords: dict
     modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
-    shown: Any = None  # a rank without the last stage: the epoch's loss for its progress line (begin_epoch)
+    shown: Any = None  # a rank without the last stage: the loss its progress line shows (progress_sums)
+    resumed: Any = None  # [loss sum, count] restored into this rank's sums at the epoch's start (a resume)
 
     def begin_epoch(self, sums) -> None:
-        """The progress line's sums of a rank that runs no last stage: the loss the last stage computed (step()
-        gives it to every rank), from the epoch's start or from the partial sums a resume restored (`sums`)."""
+        """A rank that runs no last stage keeps the partial sums a resume restored (`sums`: rank 0 holds them);
+        its progress line adds to them what the last stage counted (progress_sums)."""
         if self.runner.last:
             return
         from ddpkit.train.metrics import RunningSums
 
         self.shown = RunningSums(sums.t.device, accuracy=False)
-        self.shown.t[0::2] += sums.t[0::2]  # loss sum and count; no accuracy without the output
+        self.resumed = sums.t[0::2].clone()
 
-    def progress_sums(self, sums):
-        """What this rank's progress line shows: its own sums, or those of the loss the last stage gave it."""
-        return sums if self.shown is None else self.shown
+    def progress_sums(self, sums, done: int, steps: int, every: int):
+        """What this rank's progress line shows after step `done` of `steps`: its own sums, or, on a rank without
+        the last stage, the loss the last stage computed. That loss crosses the pipeline only where the line
+        is drawn (every `every` steps and at the epoch's last: a collective of the pipeline's ranks there, none
+        between), not after every step."""
+        if done % every and done != steps:
+            return None if self.shown is not None else sums
+        counted = sums.t[0::2].clone() if self.runner.last else torch.zeros(2, dtype=torch.float64)
+        counted = self.runner.from_last(counted.to(sums.t.device))
+        if self.shown is None:
+            return sums
+        self.shown.t = torch.stack(
+            [self.resumed[0] + counted[0], counted.new_zeros(()), self.resumed[1] + counted[1]]
+        )
+        return self.shown
 
 
 def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> PipelineParts:
@@ -107,12 +120,11 @@ def forward_backward(trainer, micro_batches) -> None:
     accum = trainer.cfg.train.grad_accum_steps
     for i, (x, y) in enumerate(micro_batches):  # train.grad_accum_steps batches, each through the schedule
         x, y = to_device(x, y, trainer.device, trainer.cfg.model.channels_last)
-        loss, out = parts.runner.step(x, y, accumulate=i > 0)
+        loss, out = parts.runner.step(x, y, accumulate=i > 0, share_loss=False)  # the loss: last stage only
         if out is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
-        elif parts.shown is not None:  # a counted unit: a sample, or a language model's token
-            parts.shown.count(loss, 0, y.shape[0] if trainer.state.accuracy else y.numel())
-        trainer.nonfinite.see(loss)
+        if loss is not None:  # the non-finite check compares every rank's notes at the log points
+            trainer.nonfinite.see(loss)
     if accum > 1:  # each schedule step's gradients are of its batch's mean loss: the step's are their mean
         for p in parts.runner.parameters():
             if p.grad is not None:
