@@ -156,7 +156,6 @@ KNOWN_UPWARD = {
     "config/__init__.py -> parallel": "the strategy and compression names checked by the registries at load",
     "config/__init__.py -> data": "the data-set name checked by the data-set registry at load",
     "parallel/pipeline/trainer.py -> train": "the pipeline half of the train loop: it moves to train/",
-    "train/trainer.py -> commands": "the library Trainer draws curves.png with commands/report",
 }
 
 
