@@ -45,6 +45,7 @@ MOVED: dict[str, str] = {
     "ddpkit.usermodule": "ddpkit.launcher.usermodule",
     "ddpkit.metrics_file": _T + "metrics_file",
     "ddpkit.outputs": "ddpkit.commands.outputs",
+    "ddpkit.commands.report.drawing": _T + "curves.drawing",
     "ddpkit.memory": _T + "memory",
     "ddpkit.tasks": _T + "tasks",
     "ddpkit.sharded": "ddpkit.checkpoint.sharded",

@@ -47,10 +47,10 @@ def preload(cfg: Config) -> list[str]:
 
 
 def in_launcher(cfg: Config, spec):
-    """What the launcher of a one-node launch does for the run itself: draw curves.png (report.LauncherCurves)."""
+    """What the launcher of a one-node launch does for the run itself: draw curves.png (train/curves LauncherCurves)."""
     if not cfg.report.curves or spec.nnodes != 1:
         return None
-    from ddpkit.commands.report import LauncherCurves
+    from ddpkit.train.curves import LauncherCurves
 
     return LauncherCurves(cfg.out_dir)
 

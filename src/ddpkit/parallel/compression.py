@@ -9,43 +9,16 @@ package of your own (an entry point in the `ddpkit.compression` group). Importin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpkit import _moved
 from ddpkit.config.declared import before_keys, check_with, declare, key_sets
-from ddpkit.config.schema import opt
 from ddpkit.errors import UserError
+from ddpkit.parallel.compression_method import CompressionMethod, PowerSGDKeys
 from ddpkit.registry import Registry
 
 ENTRY_POINT_GROUP = "ddpkit.compression"
-
-
-def _no_restore(saved: list[dict], rank: int, world_size: int) -> tuple[dict | None, str | None]:
-    return (saved[rank] if len(saved) == world_size else None), None
-
-
-@dataclass(frozen=True)
-class CompressionMethod:
-    """One dist.grad_compression value.
-
-    `register(ddp, options) -> holder`: registers the hook on a DistributedDataParallel module (options: the
-    `Compression` value: powersgd_rank, ...) and returns what holds its state (None when stateless);
-    `state_dict(holder)` / `load_state_dict(holder, saved, device)`: that state in a checkpoint (one per rank);
-    `restore(saved_per_rank, rank, world_size) -> (state or None, message or None)`: what this rank takes from
-    a checkpoint saved on `len(saved_per_rank)` ranks (and a line to log when some of it is dropped);
-    `keys`: the method's own config keys, a dataclass of `opt()` fields added to the `dist` section
-    (`dist.powersgd_rank`), documented under the method in --help-config.
-    """
-
-    name: str
-    summary: str
-    register: Callable[[Any, Any], Any]
-    state_dict: Callable[[Any], dict | None] = lambda holder: None
-    load_state_dict: Callable[[Any, dict, Any], None] = lambda holder, saved, device: None
-    restore: Callable[[list[dict], int, int], tuple[dict | None, str | None]] = _no_restore
-    keys: type | None = None
 
 
 def _fp16(ddp: Any, options: Any) -> None:
@@ -80,16 +53,6 @@ def register_compression(method: CompressionMethod, *, replace: bool = False) ->
     return _REGISTRY.register(method, replace=replace)
 
 
-@dataclass
-class PowerSGDKeys:
-    """PowerSGD's low-rank approximation."""
-
-    powersgd_rank: int = opt(1, "PowerSGD's matrix approximation rank (more: closer, more bytes)", gt=0)
-    powersgd_warmup_steps: int = opt(
-        10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
-    )
-
-
 # PowerSGD's method (powersgd.py, METHOD: keys=PowerSGDKeys) imports torch and is registered when first asked
 # for; its keys are declared now, so a config that sets them loads without torch
 declare("dist", PowerSGDKeys, "dist.grad_compression", "powersgd")
@@ -102,7 +65,7 @@ register_compression(CompressionMethod("bf16", "gradients sent as bfloat16 (half
 
 def _load_builtin() -> None:
     if "powersgd" not in _REGISTRY:
-        from ddpkit.parallel import powersgd
+        from ddpkit.parallel import powersgd  # imports torch: only once a method is looked up
 
         register_compression(powersgd.METHOD)
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpkit.parallel.compression import CompressionMethod, PowerSGDKeys
+from ddpkit.parallel.compression_method import CompressionMethod, PowerSGDKeys
 
 
 def _plan(state: Any, shapes: list[torch.Size]) -> list[tuple[int, int, int] | None]:

@@ -35,7 +35,7 @@ from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.pipeline import trainer as pipeline_trainer
 from ddpkit.parallel.strategy import build_strategy, ddp_options
-from ddpkit.train import optim
+from ddpkit.train import curves, optim
 from ddpkit.train.builders import (
     load_weights,
     make_autocast,
@@ -429,11 +429,9 @@ class Trainer:
         final = final_line(last)
         if final is not None:
             self.log.info(final)
-        from ddpkit.commands import report
-
-        if self.cfg.report.curves and self.ctx.is_main and not report.launcher_draws():
+        if self.cfg.report.curves and self.ctx.is_main and not curves.launcher_draws():
             if read_metrics(self.cfg.out_dir):
-                self.log.info(f"curves: {report.write_curves(self.cfg.out_dir)}")
+                self.log.info(f"curves: {curves.write_curves(self.cfg.out_dir)}")
         return last
 
     @contextlib.contextmanager
