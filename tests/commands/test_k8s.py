@@ -177,6 +177,26 @@ def test_sigterm_to_the_pod_reaches_ddpkit_and_the_pod_asks_to_be_restarted(tmp_
     assert proc.wait(timeout=300) == 143, proc.communicate()
 
 
+def test_a_sigterm_before_the_shell_knows_the_workers_pid_still_reaches_it(tmp_path, capsys):
+    # The window between starting ddpkit in the background and `pid=$!` cannot be widened from outside; the
+    # script here sends itself the kubelet's SIGTERM inside it. Before: the trap found no pid, the signal was
+    # lost and the pod waited on ddpkit for ever (CI saw it once under load); now ddpkit gets it and exits 3.
+    m = manifest(capsys)
+    (container,) = m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    script = container["command"][-1]
+    assert "\npid=$!\n" in script
+    container["command"][-1] = script.replace(
+        "\npid=$!\n", '\nwhile [ ! -e "$FAKE_STARTED" ]; do sleep 0.05; done; kill -TERM $$\npid=$!\n'
+    )
+    proc = run_pod(tmp_path, m, FAKE_STARTED=str(tmp_path / "started"))
+    try:
+        assert proc.wait(timeout=60) == 143, proc.communicate()
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+            proc.kill()
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [

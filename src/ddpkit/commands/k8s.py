@@ -80,6 +80,7 @@ def pod_script(train: list[str], nodes: int) -> str:
             """trap 'woke=1; [ -n "$pid" ] && kill -TERM "$pid"' TERM INT""",
             f"{shlex.join(train)} {launch} &",
             "pid=$!",
+            '[ "$woke" = 1 ] && kill -TERM "$pid"  # a signal that came before $pid was known',
             'while :; do woke=0; wait "$pid"; code=$?; [ "$woke" = 1 ] && [ "$code" -gt 128 ] || break; done',
             f"# {Preempted.exit_code} = stopped at a step boundary after a checkpoint: exit {PREEMPTED_POD_EXIT} (>= 128), which",
             "# restartPolicy ExitCode restarts, to resume; 2 (a config error) and 1 (a failed worker) end the job.",
