@@ -4,7 +4,8 @@ hand-written loops: the launch-bound comparison (launch_bound.py, workers 0 and 
 against a plain DDP loop (throughput_vs_plain_ddp.py, workers 0 and 4, as RESULTS section 12) and ResNet-50
 224x224 bf16 + channels_last on synthetic images (images/s).
 
-    python benchmarks/gpu_check.py --out DIR        # about 8 minutes on one H100/H200
+    python benchmarks/gpu_check.py --out DIR        # about 14 minutes on one H100 (more than one 10-minute call:
+                                                    # split it with --parts, e.g. comparisons, then comm paths)
     python benchmarks/gpu_check.py --out DIR --dry-run   # the commands it would run, nothing run (any machine)
     python benchmarks/gpu_check.py --out DIR --parts paths resnet50
 
@@ -49,7 +50,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("digits_compile", ["train", *DIGITS, "model.compile=true"]),
     ("resnet18_fp32", ["train", *RESNET]),
     ("resnet18_bf16_cl", ["train", *RESNET, "train.amp=bf16", "model.channels_last=true"]),
+    ("resnet18_w4_nopin", ["train", *RESNET, "data.pin_memory=false"]),
+    ("resnet18_w0", ["train", *RESNET, "data.num_workers=0"]),
     ("gpt_single", ["train", *GPT, "dist.strategy=single"]),
+    ("llama_single", ["train", *GPT, "model.arch=llama", "dist.strategy=single"]),
     ("gpt_fsdp_nccl", ["train", *GPT, "dist.strategy=fsdp", "--nproc-per-node", "1"]),
     ("gpt_zero2_nccl", ["train", *GPT, "dist.strategy=zero2", "--nproc-per-node", "1"]),
     ("gpt_fsdp_offload", ["train", *GPT, "dist.strategy=fsdp", "dist.offload=cpu", "--nproc-per-node", "1"]),
@@ -149,7 +153,8 @@ def run_comparison(name: str, cmd: list[str], root: Path, timeout: float) -> dic
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", str(e.stdout or "")
+        raw = e.stdout or b""
+        rc, out = "timeout", raw.decode(errors="replace") if isinstance(raw, bytes) else raw
     (root / f"{name}.log").write_text(f"$ {' '.join(cmd)}\nrc={rc}\n{out}")
     print(out[-4000:], flush=True)
     table = [ln for ln in out.splitlines() if ln.startswith("|") and "**" in ln]
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="case names of the paths (default all)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--timeout", type=float, default=90, help="seconds per case")
-    p.add_argument("--comparison-timeout", type=float, default=150, help="seconds per comparison")
+    p.add_argument("--comparison-timeout", type=float, default=300, help="seconds per comparison")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     plan = planned(args)

@@ -232,3 +232,25 @@ def test_the_warm_start_switch_the_docs_name_turns_warm_starts_off(monkeypatch):
     assert not warm_start.available()
     monkeypatch.setenv(channels.WARM_START, "1")
     assert warm_start.available()  # Linux has the fork server
+
+
+def test_every_built_in_command_that_runs_on_workers_has_them_forked_with_its_modules_imported():
+    """A launch of `train`, `eval`, `info` or `comm` forks its workers from a fork server that imported the
+    command's modules once (cli.py), instead of each worker importing torch again."""
+    import importlib
+
+    from ddpkit.commands import COMMANDS
+    from ddpkit.config import load_config
+    from ddpkit.launcher.warm_start import EVERY_WORKER
+
+    cfg = load_config(None, [])
+    group = [c for c in COMMANDS.entries() if c.mode == "group" and c.entry.startswith("ddpkit.")]
+    assert sorted(c.name for c in group) == ["comm", "eval", "info", "train"]
+    for command in group:
+        modules = command.module.preload(cfg)
+        assert modules[: len(EVERY_WORKER)] == EVERY_WORKER and command.module.__name__ in {
+            *modules,
+            "ddpkit.commands.train",  # the trainer's modules stand for it
+        }, command.name
+        for name in modules:
+            importlib.import_module(name)

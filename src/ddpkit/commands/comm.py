@@ -221,6 +221,13 @@ def _ensure_group(ctx: DistContext) -> None:
         dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def preload(cfg) -> list[str]:
+    """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
+    from ddpkit.launcher.warm_start import EVERY_WORKER
+
+    return [*EVERY_WORKER, __name__, "ddpkit.diagnostics.collective_check"]
+
+
 def comm_command(cfg: Any, args: argparse.Namespace, ctx: DistContext) -> int:
     """Check every collective, then benchmark them; rank 0 reports and exits 1 if any check is WRONG or failed."""
     opts = options(args)

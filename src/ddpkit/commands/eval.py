@@ -12,6 +12,14 @@ from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy
 
 
+def preload(cfg: Config) -> list[str]:
+    """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
+    from ddpkit.commands.train import model_and_data_modules
+    from ddpkit.launcher.warm_start import EVERY_WORKER
+
+    return [*EVERY_WORKER, __name__, "ddpkit.train.tasks", *model_and_data_modules(cfg)]
+
+
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
     from ddpkit import data

@@ -22,6 +22,13 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None =
     )
 
 
+def preload(cfg) -> list[str]:
+    """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
+    from ddpkit.launcher.warm_start import EVERY_WORKER
+
+    return [*EVERY_WORKER, __name__, "ddpkit.parallel.mesh"]
+
+
 def info_command(cfg, args, ctx: DistContext) -> int:
     from ddpkit.parallel.mesh import layout_of, shard_degree
 

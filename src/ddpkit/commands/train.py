@@ -32,18 +32,25 @@ def preflight(cfg: Config) -> None:
     rundir.preflight(cfg)
 
 
+def model_and_data_modules(cfg: Config) -> list[str]:
+    """The modules that build cfg's model and data sets (the trainer's builders and what they import)."""
+    modules = ["ddpkit.train.builders", "ddpkit.config.safe_yaml", "ddpkit.data.builtin"]
+    if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
+        modules.append("torchvision")
+    return modules
+
+
 def preload(cfg: Config) -> list[str]:
     """The modules every worker imports: a launch imports them once, before the workers start."""
     # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
-    modules = ["torch", "ddpkit.cli", "ddpkit.train.trainer", "torch._dynamo", "torch.utils.tensorboard"]
-    modules += [
-        "torch.distributed.elastic.multiprocessing.api",
-        "ddpkit.config.safe_yaml",
-        "ddpkit.data.builtin",
-    ]
-    if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
-        modules.append("torchvision")
-    return modules  # not matplotlib: the launcher draws curves.png (in_launcher)
+    from ddpkit.launcher.warm_start import EVERY_WORKER
+
+    extra = ["ddpkit.train.trainer", "torch._dynamo", "torch.utils.tensorboard"]
+    return [
+        *EVERY_WORKER,
+        *extra,
+        *model_and_data_modules(cfg),
+    ]  # not matplotlib: the launcher draws curves.png
 
 
 def in_launcher(cfg: Config, spec):

@@ -26,6 +26,9 @@ from typing import Any
 from ddpkit import channels
 from ddpkit.launcher import signals
 
+# What every worker of a launch imports, whatever its command; a command module's preload(cfg) adds its own
+# (cli.py has the fork server import them before the workers start: each worker is a fork that has them).
+EVERY_WORKER = ["torch", "ddpkit.cli", "torch.distributed.elastic.multiprocessing.api"]
 DISABLE_VAR = channels.WARM_START  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
 SERVER = "ddpkit.launcher.warm_server"
 _started = False
