@@ -159,3 +159,25 @@ def parse_run_args(p, argv: list[str] | None):
     if args.epochs < 3:
         p.error("--epochs must be at least 3 (epochs 2 .. E-1 are timed)")
     return args, raw
+
+
+def report(
+    m: dict[str, Any],
+    command: str,
+    headers: list[str],
+    table: list[list[Any]],
+    verdict: str,
+    json_path: Path | None,
+    raw: dict[str, Any],
+) -> None:
+    """A benchmark's tail: the machine and the command, the table of medians, the verdict line; the raw runs
+    ({"machine": m, **raw}) written to `json_path` when given."""
+    print()
+    print(f"Machine: {machine_line(m)}")
+    print(f"Command: python {command}".rstrip())
+    print()
+    print(md_table(headers, table))
+    print()
+    print(verdict)
+    if json_path:
+        json_path.write_text(json.dumps({"machine": m, **raw}, indent=1))

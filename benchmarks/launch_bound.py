@@ -275,18 +275,18 @@ def main(argv: list[str] | None = None) -> int:
             [*setting, f"{med['ddpkit']:.0f}", f"{med['plain']:.0f}", f"**{ratio:.3f}**", each, loads]
         )
         raw_runs.append({"setting": setting, "runs": runs, "ratio": ratio})
-    print()
-    print(f"Machine: {common.machine_line(m)}")
-    print(f"Command: python benchmarks/launch_bound.py {' '.join(raw)}".rstrip())
-    print()
     headers = ["net", "batch/process", "processes", "workers", "ddpkit images/s (median)"]
     headers += ["plain images/s (median)", "ddpkit / plain", "rounds (ddpkit / plain)", "load average 1 min"]
-    print(common.md_table(headers, table))
-    print()
     verdict = "PASS" if min(ratios) >= 0.97 else "FAIL"
-    print(f"lowest ratio {min(ratios):.3f} (target >= 0.97 at every setting): {verdict}")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": m, "settings": raw_runs}, indent=1))
+    common.report(
+        m,
+        f"benchmarks/launch_bound.py {' '.join(raw)}",
+        headers,
+        table,
+        f"lowest ratio {min(ratios):.3f} (target >= 0.97 at every setting): {verdict}",
+        args.json,
+        {"settings": raw_runs},
+    )
     return 0
 
 

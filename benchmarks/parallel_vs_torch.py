@@ -312,18 +312,18 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         raw_runs.append({"layout": layout, "runs": runs, "ratio": ratios[layout]})
-    print()
-    print(f"Machine: {common.machine_line(m)}")
-    print(f"Command: python benchmarks/parallel_vs_torch.py {' '.join(raw)}".rstrip())
-    print()
     headers = ["layout", "processes", "ddpkit tokens/s (median)", "torch tokens/s (median)", "ddpkit / torch"]
     headers += ["rounds (ddpkit / torch)", "load average 1 min"]
-    print(common.md_table(headers, table))
-    print()
     low = [k for k, v in ratios.items() if v < 0.95]
-    print(f"below 0.95: {', '.join(low) or 'none'} (target >= 0.95 for every layout)")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": m, "layouts": raw_runs}, indent=1))
+    common.report(
+        m,
+        f"benchmarks/parallel_vs_torch.py {' '.join(raw)}",
+        headers,
+        table,
+        f"below 0.95: {', '.join(low) or 'none'} (target >= 0.95 for every layout)",
+        args.json,
+        {"layouts": raw_runs},
+    )
     return 0
 
 

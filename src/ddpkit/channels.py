@@ -30,7 +30,7 @@ LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 JOB_DIR = "DDPKIT_JOB_DIR"
 
 CHANNELS: tuple[Channel, ...] = (
-    Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.env",
+    Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.launchers",
             "'spawn': this worker was started by torch.multiprocessing.spawn, not torch's elastic agent"),
     Channel(LAUNCHER_PID, "launcher.launch (for its workers while they start)", "launcher.signals",
             "the launcher's pid: a worker dies with it (PR_SET_PDEATHSIG); each worker takes it out"),

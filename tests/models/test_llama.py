@@ -21,6 +21,7 @@ LLAMA = [*GPT_RUN, "model.arch=llama", "model.n_kv_head=2", "model.rope_theta=50
 )
 def test_a_transformers_llama_loads_and_exports_with_equal_logits(tmp_path, kv, tied, theta):
     import ddpkit
+    from ddpkit.models import family_of_module
     from ddpkit.models.hf import export
 
     torch.manual_seed(0)
@@ -33,7 +34,7 @@ def test_a_transformers_llama_loads_and_exports_with_equal_logits(tmp_path, kv, 
     model = ddpkit.load_model(tmp_path / "hf")
     assert (model.n_kv_head, model.tie_embeddings, model.rope_theta) == (kv, tied, theta)
     x = torch.randint(0, 40, (2, 20))
-    export(model, tmp_path / "back")
+    export(model, tmp_path / "back", family_of_module(model))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert (model(x) - ref(x).logits).abs().max() < 1e-4

@@ -125,7 +125,9 @@ def test_no_hook_state_without_powersgd():
     [
         (["dist.strategy=fsdp", "dist.grad_compression=fp16"], "dist.grad_compression=fp16 is a DDP setting"),
         (["dist.strategy=single", "dist.bucket_cap_mb=5"], "dist.strategy=single has no DDP wrapper"),
-        (["dist.strategy=dp", "dist.static_graph=true"], "dist.static_graph=True"),
+        # a YAML boolean shown as the user writes it (true), not as Python's True
+        (["dist.strategy=dp", "dist.static_graph=true"], "dist.static_graph=true is a DDP setting"),
+        (["dist.strategy=fsdp", "dist.grad_as_bucket_view=true"], "dist.grad_as_bucket_view=true is"),
         (["dist.powersgd_warmup_steps=1"], "dist.powersgd_warmup_steps must be >= 2"),
         (["dist.grad_compression=int8"], "unknown dist.grad_compression 'int8'"),
     ],

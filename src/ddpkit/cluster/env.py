@@ -10,102 +10,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ddpkit import _moved
+from ddpkit.cluster import distenv
+from ddpkit.cluster.distenv import DEFAULT_PORT, DistEnv
+from ddpkit.cluster.launchers import launchers
 from ddpkit.errors import UserError
-
-DEFAULT_PORT = 29500
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Who this process is in the job, and where the job meets."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    node_rank: int = 0
-    num_nodes: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_PORT
-    launcher: str = (
-        "none"  # none | manual | spawn | a detector's name (torchrun, slurm, openmpi, pmi, lsf, ...)
-    )
-    init_method: str = "env://"
-    local_rank_given: bool = True  # false: a by-hand rank whose local rank is learnt at the rendezvous
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or self.launcher not in ("none",)
-
-
-def int_var(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise UserError(
-            f"{name}={raw!r} is not an integer", f"unset {name} or set it to a whole number"
-        ) from None
-
-
-def check_port(port: int, source: str) -> int:
-    if not 1 <= port <= 65535:
-        raise UserError(
-            f"master port {port} (from {source}) is out of range", "use a port between 1024 and 65535"
-        )
-    return port
-
-
-def check_ranks(rank: int, world: int, local_rank: int, local_world: int, source: str) -> None:
-    if world < 1:
-        raise UserError(
-            f"world size {world} (from {source}) must be at least 1", "check the launcher's task count"
-        )
-    if not 0 <= rank < world:
-        raise UserError(
-            f"rank {rank} is outside world size {world} (from {source})", f"ranks run from 0 to {world - 1}"
-        )
-    if not 0 <= local_rank < max(local_world, 1):
-        raise UserError(
-            f"local rank {local_rank} is outside local world size {local_world} (from {source})",
-            "check the launcher's per-node task count",
-        )
-
-
-def require_all(env: Mapping[str, str], names: list[str], launcher: str) -> None:
-    missing = [n for n in names if n not in env]
-    if missing:
-        present = [n for n in names if n in env]
-        raise UserError(
-            f"incomplete {launcher} environment: {', '.join(present)} set but {', '.join(missing)} missing",
-            f"set all of {', '.join(names)} or none of them",
-        )
-
-
-def master_port_of(env: Mapping[str, str], fallback: int) -> int:
-    """MASTER_PORT when set (checked), else `fallback`."""
-    return check_port(int_var(env, "MASTER_PORT"), "MASTER_PORT") if "MASTER_PORT" in env else fallback
-
-
-def ranked_env(
-    rank: int, world: int, local_rank: int, local_world: int, env: Mapping[str, str], port: int, launcher: str
-) -> DistEnv:
-    """A DistEnv whose node rank and node count follow from the ranks per node; master address from MASTER_ADDR."""
-    per_node = max(local_world, 1)
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
-        node_rank=rank // per_node,
-        num_nodes=max(1, -(-world // per_node)),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port,
-        launcher=launcher,
-    )
 
 
 def _rendezvous_address(init_method: str) -> tuple[str, int]:
@@ -116,7 +27,7 @@ def _rendezvous_address(init_method: str) -> tuple[str, int]:
             raise UserError(
                 f"bad --init-method '{init_method}'", "write tcp://HOST:PORT, e.g. tcp://127.0.0.1:22225"
             )
-        return m.group(1).strip("[]"), check_port(int(m.group(2)), "--init-method")
+        return m.group(1).strip("[]"), distenv.check_port(int(m.group(2)), "--init-method")
     if not init_method.startswith("file://"):
         raise UserError(
             f"unsupported --init-method '{init_method}'", "use tcp://HOST:PORT, file:///PATH or env://"
@@ -148,9 +59,9 @@ def manual_env(
         raise UserError(
             "--init-method needs --rank and --world-size", "give all three, e.g. --rank 0 --world-size 3"
         )
-    check_ranks(rank, world_size, 0, 1, "--rank/--world-size")
+    distenv.check_ranks(rank, world_size, 0, 1, "--rank/--world-size")
     if local_rank is None and "LOCAL_RANK" in environ:
-        local_rank = int_var(environ, "LOCAL_RANK")
+        local_rank = distenv.int_var(environ, "LOCAL_RANK")
     if local_rank is not None and local_rank < 0:
         raise UserError(f"local rank {local_rank} is negative", "local ranks run from 0")
     if init_method.startswith("env://"):
@@ -182,13 +93,21 @@ def explicit_env(
             "init_distributed(rank=..., world_size=...) needs both",
             "pass both, or neither to detect the launcher",
         )
-    local_rank = int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
-    local_world = int_var(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world_size
-    check_ranks(rank, world_size, local_rank, local_world, "rank=/world_size=")
+    local_rank = distenv.int_var(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
+    local_world = (
+        distenv.int_var(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world_size
+    )
+    distenv.check_ranks(rank, world_size, local_rank, local_world, "rank=/world_size=")
     if world_size == 1:
         return DistEnv()
-    return ranked_env(
-        rank, world_size, local_rank, local_world, environ, master_port_of(environ, DEFAULT_PORT), "manual"
+    return distenv.ranked_env(
+        rank,
+        world_size,
+        local_rank,
+        local_world,
+        environ,
+        distenv.master_port_of(environ, DEFAULT_PORT),
+        "manual",
     )
 
 
@@ -207,15 +126,11 @@ def torch_variables(env: DistEnv) -> dict[str, str]:
 
 
 def replace_launcher(env: DistEnv, launcher: str) -> DistEnv:
-    from dataclasses import replace
-
     return replace(env, launcher=launcher)
 
 
 def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
     """The DistEnv of this process from its environment variables: the first launcher that detects itself."""
-    from ddpkit.cluster.launchers import launchers
-
     env = os.environ if env is None else env
     for detector in launchers():
         if detector.detects(env):
@@ -223,19 +138,18 @@ def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv()
 
 
-# Names that moved to launchers.py (the detector table) and slurm_env.py, importable from here as before.
+# Names that moved to launchers.py (the detector table), distenv.py (the variables' checks) and slurm_env.py,
+# importable from here as before.
 __getattr__ = _moved.names(
     __name__,
     {
         **dict.fromkeys(
-            (
-                "LauncherDetector",
-                "register_launcher",
-                "launchers",
-                "world_variables",
-                "DETECTOR_ENTRY_POINT_GROUP",
-            ),
+            ("LauncherDetector", "register_launcher", "world_variables", "DETECTOR_ENTRY_POINT_GROUP"),
             "ddpkit.cluster.launchers",
+        ),
+        **dict.fromkeys(
+            ("int_var", "check_port", "check_ranks", "require_all", "master_port_of", "ranked_env"),
+            "ddpkit.cluster.distenv",
         ),
         **dict.fromkeys(
             ("expand_nodelist", "parse_nodelist", "slurm_port", "slurm_nodelist", "slurm_job_step"),

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ddpkit import channels
-from ddpkit.cluster.env import (
+from ddpkit.cluster.distenv import (
     DEFAULT_PORT,
     DistEnv,
     check_port,

@@ -149,13 +149,13 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
         check_weights_path(pretrained)
     if cfg.model.init_from:
-        from ddpkit.models import gpt, llama
         from ddpkit.models.hf import is_hf_folder
 
-        if family not in (gpt.FAMILY, llama.FAMILY):
+        if family.hf is None:
+            readers = " or ".join(f.name for f in MODEL_FAMILIES.values() if f.hf is not None)
             raise UserError(
-                f"model.init_from needs model.arch=gpt or llama, not '{cfg.model.arch}'",
-                "set model.arch=gpt or llama, or use model.pretrained for a weights file",
+                f"model.init_from needs model.arch={readers}, not '{cfg.model.arch}'",
+                f"set model.arch={readers}, or use model.pretrained for a weights file",
             )
         if not is_hf_folder(cfg.model.init_from):
             raise UserError(

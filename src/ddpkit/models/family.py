@@ -1,8 +1,9 @@
 """What a model family is: the model.arch names it owns, a cheap check of a name, the builder, and its parallel
 facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes) and its
-own config keys. Every family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models);
-parallel/ and train/ ask the family and name no model. A stack-of-blocks model gets all of its parallel facts from one
-`ddpkit.models.blocks.BlockStack`."""
+own config keys, and optionally its converters to and from other weight formats (`HFConverter`: Hugging Face
+folders). Every family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models);
+parallel/, train/ and the weight formats (models/hf.py) ask the family and name no model. A stack-of-blocks model
+gets all of its parallel facts from one `ddpkit.models.blocks.BlockStack`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,26 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
-    from torch import nn
+    from pathlib import Path
+
+    from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class HFConverter:
+    """A family's Hugging Face weights in and out. models/hf.py reads and writes the folder (config.json and
+    safetensors) and asks this for what is the family's own: a folder whose config.json says `model_type` becomes
+    the family's model, and the family's model becomes such a folder."""
+
+    model_type: str  # config.json's model_type it reads and writes, e.g. "gpt2"
+    label: str  # the architecture's name in messages, e.g. "GPT-2"
+    # (config.json, folder) -> build's keyword arguments; a UserError for what the family cannot hold
+    shape: Callable[[dict[str, Any], Path], dict[str, Any]]
+    # (the folder's tensors, shape) -> the model's state dict; a KeyError names a tensor the folder lacks
+    to_ours: Callable[[dict[str, Tensor], dict[str, Any]], dict[str, Tensor]]
+    build: Callable[..., nn.Module]  # build(**shape) -> the model
+    config: Callable[[nn.Module], dict[str, Any]]  # model -> its config.json
+    to_theirs: Callable[[nn.Module], dict[str, Tensor]]  # model -> its tensors under the folder's names
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,9 @@ class ModelFamily:
     # its own config keys: dataclasses of opt() fields, added to the `model` section when the family is
     # registered (`cfg.model.my_width`) and documented under it in --help-config (config/declared.py)
     keys: tuple[type, ...] = ()
+    # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
+    # format would be one more field like it
+    hf: HFConverter | None = None
 
     @property
     def tokens(self) -> bool:

@@ -85,11 +85,13 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
 
 
 def from_hf(path: str | os.PathLike) -> nn.Module:
-    """The built-in GPT or Llama holding a Hugging Face GPT-2 or Llama folder's weights."""
-    from ddpkit.models.hf import build, load_folder, load_into
+    """The model of the family whose Hugging Face converter reads the folder (the built-in GPT for GPT-2's, the
+    Llama for Llama's), holding the folder's weights."""
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.models.hf import load_folder, load_into
 
-    arch, shape, sd = load_folder(path)
-    model = build(arch, shape)
+    family, shape, sd = load_folder(path, MODEL_FAMILIES.entries())
+    model = family.hf.build(**shape)
     load_into(model, sd, f"'{path}'")
     return model.eval()
 
@@ -110,19 +112,20 @@ def load_model(path: str | os.PathLike) -> nn.Module:
 
 def init_from(model: nn.Module, path: str, report: Any = None) -> None:
     """model.init_from: a Hugging Face folder's weights into the freshly built `model` (shapes must agree)."""
-    from ddpkit.models.hf import is_hf_folder, load_folder, load_into, model_class
+    from ddpkit.models import MODEL_FAMILIES, family_of_module
+    from ddpkit.models.hf import is_hf_folder, load_folder, load_into
 
     if not is_hf_folder(path):
         raise UserError(
             f"model.init_from '{path}' is not a Hugging Face folder (no config.json in it)",
             "give a folder written by save_pretrained or by ddpkit export --to hf",
         )
-    arch, shape, sd = load_folder(path)
+    family, shape, sd = load_folder(path, MODEL_FAMILIES.entries())
     settings = [k for k in shape if k not in ("vocab_size", "block_size")]
-    if type(model) is not model_class(arch):
+    if family_of_module(model) is not family:
         raise UserError(
-            f"model.init_from '{path}' holds a {arch} model, not a {type(model).__name__}",
-            f"set model.arch={arch}",
+            f"model.init_from '{path}' holds a {family.name} model, not a {type(model).__name__}",
+            f"set model.arch={family.name}",
         )
     for key in settings:  # the shape decides the tensors; these change what they compute
         if getattr(model, key, None) != shape[key]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit import _moved
 from ddpkit.config.declared import check_with
+from ddpkit.config.schema import yaml_text
 from ddpkit.errors import UserError
 from ddpkit.registry import Registry
 
@@ -126,7 +127,7 @@ def _check_config(cfg: Any) -> None:
         return
     entry = get_strategy(d.strategy)
     knobs = [
-        f"dist.{k}={v}"
+        f"dist.{k}={yaml_text(v)}"  # as the user writes it: true, not Python's True
         for k, v, default in (
             ("grad_compression", d.grad_compression, "none"),
             ("bucket_cap_mb", d.bucket_cap_mb, None),

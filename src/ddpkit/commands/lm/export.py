@@ -24,6 +24,7 @@ def parser():
 def export_command(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
     from ddpkit.checkpoint import save_text
+    from ddpkit.models import family_of_module
     from ddpkit.models.hf import export
     from ddpkit.models.loading import from_checkpoint
 
@@ -31,7 +32,7 @@ def export_command(argv: Sequence[str]) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR '{out}' exists and is not an empty folder", "give a new folder")
     loaded = from_checkpoint(args.checkpoint)
-    export(loaded.model, out)
+    export(loaded.model, out, family_of_module(loaded.model))
     if loaded.tokenizer:
         save_text(out / "tokenizer.json", loaded.tokenizer)
     print(f"wrote {out} (a {type(loaded.model).__name__}, from {loaded.source})", flush=True)
