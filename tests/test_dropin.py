@@ -89,6 +89,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_torchrun_spellings_local_rank_file_and_rank_prefix(tmp_path):
     """`--nproc_per_node=2 --standalone`, as torchrun is spelled; the script's own --local_rank gets 0 and 1;
     `__file__` is absolute (the chdir + open works); the failing rank's traceback carries `[rank1]:`."""
@@ -137,6 +138,7 @@ for x, y in loader:
 """
 
 
+@pytest.mark.slow
 def test_a_refusal_inside_a_script_is_one_line_for_the_job(tmp_path):
     """prepare()'s refusal of an unshuffled training loader, raised on every rank of a script under `ddpkit
     run`: one `ddpkit: error:` line (no traceback per rank), exit 2."""
@@ -145,6 +147,7 @@ def test_a_refusal_inside_a_script_is_one_line_for_the_job(tmp_path):
     assert_user_error(proc, "a loader prepared for evaluation (guessed from shuffle=False)", "roles=")
 
 
+@pytest.mark.slow
 def test_spawn_runs_guardless_dataloader_script_one_traceback_no_leftovers(tmp_path):
     """`--launcher spawn` with a guard-less script whose DataLoader has 2 workers: it runs (the launcher's start
     method does not leak into the DataLoader), the failing rank's full traceback is printed once, and no process
@@ -220,6 +223,7 @@ def _rank_one_stuck_while_rank_zero_waits():
     ddpkit.barrier()  # rank 0 waits here until the group's timeout
 
 
+@pytest.mark.slow
 def test_launch_names_a_stuck_rank_within_its_timeout(tmp_path):
     """Rank 1 stuck outside any collective: launch() returns within timeout_s + 10 s of rank 0's end, naming
     rank 1; with rank 0 waiting in a barrier for it, rank 1 (not the waiting rank 0) is named."""

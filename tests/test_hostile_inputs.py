@@ -200,6 +200,7 @@ def test_deeply_nested_configs_are_one_line_and_exit_2(tmp_path):
 # ---------------------------------------------------------------------------------- half-checked inputs
 
 
+@pytest.mark.slow
 def test_foreign_and_damaged_metrics_lines_never_fail_a_run_that_trained(resumed):
     proc, out = resumed
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -239,6 +240,7 @@ def test_launch_inputs_are_refused_before_any_worker_starts(tmp_path):
 # ---------------------------------------------------------------------------------------------------- noise
 
 
+@pytest.mark.slow
 def test_a_bad_input_every_worker_finds_is_one_error_line(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"garbage")
     proc = run_cli("eval", "checkpoint.path=bad.pt", "--nproc-per-node", "2", "model.arch=mlp", cwd=tmp_path)
@@ -299,6 +301,7 @@ class Lines:
         return "\n".join(x for _, x in self.got)
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for(tmp_path):
     shutil.copy(STUCK, tmp_path / "stuck.py")
     cmd = [

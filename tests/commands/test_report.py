@@ -178,6 +178,7 @@ def test_resumed_run_plots_each_epoch_once(resumed, tmp_path, capsys):
     assert s["series"]["val_acc1"] == [r["val_acc1"] for r in rows(resumed)]
 
 
+@pytest.mark.slow
 def test_an_epoch_written_twice_later_line_wins(resumed, tmp_path, capsys):
     run = tmp_path / "dup"
     shutil.copytree(resumed, run)
@@ -222,6 +223,7 @@ def test_write_curves_on_a_real_run(resumed, tmp_path):
     assert all(count_color(box, "C0") > 10 for box in panels(path, [run]))
 
 
+@pytest.mark.slow
 def test_a_one_node_launch_draws_its_curves_in_the_launcher(resumed, two_procs):
     # --nproc-per-node 2: the launcher imported matplotlib while the workers trained and drew the picture after
     # them; rank 0 did not (it says so in log.txt when it does, as the single process of `resumed` did).

@@ -95,6 +95,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
 def test_ddpkit_train_under_a_pipeline_equals_the_single_process_run(layout, reference, tmp_path, text_file):
     nproc, settings, batch = LAYOUTS[layout]
     run = _train(tmp_path / "run", text_file, *settings, f"train.batch_size={batch}", nproc=nproc)
@@ -120,6 +121,7 @@ def _progress(log: str) -> dict[int, str]:
     return shown
 
 
+@pytest.mark.slow
 def test_the_progress_line_of_a_pipeline_shows_the_loss_also_after_a_resume(reference, tmp_path, text_file):
     out = tmp_path / "run"
     _train(out, text_file, "dist.pp=2", f"train.batch_size={GLOBAL_BATCH}", "train.max_steps=3", nproc=2)
@@ -138,6 +140,7 @@ def user_reference():
     return user.single()
 
 
+@pytest.mark.slow
 def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_reference):
     ranks = ddpkit.launch(user.piped, 2, "1f1b", nprocs=2)
     got = {k: torch.from_numpy(v) for k, v in ranks[0]["state"].items()}
@@ -151,6 +154,7 @@ def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_referen
     assert ranks[0]["losses"] == pytest.approx(user_reference["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_channels_last_conv_net_under_pp2_equals_its_single_process_run():
     """Stages computing in channels_last send contiguous activations forward and contiguous gradients back
     (point-to-point sends take no other layout): the run equals the one-process run."""

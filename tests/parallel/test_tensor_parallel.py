@@ -291,6 +291,7 @@ def _ddpkit_train(root, out, extra: list[str], nproc: int, dp: int):
 
 
 @pytest.mark.parametrize("name, extra, nproc, dp, memory", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+@pytest.mark.slow
 def test_ddpkit_train_layout_equals_one_process(
     gpt_reference, gpt_text, tmp_path, name, extra, nproc, dp, memory
 ):

@@ -137,6 +137,7 @@ def doc_run(tmp_path_factory):
     return cwd / "runs" / "text_gpt", train.stdout, json.loads(ev.stdout.strip().splitlines()[-1]), rep.stdout
 
 
+@pytest.mark.slow
 def test_language_model_metrics_hold_loss_perplexity_and_tokens(doc_run):
     out, stdout, _, _ = doc_run
     rows = read_metrics(out)
@@ -162,6 +163,7 @@ def test_every_metrics_line_follows_the_schema(doc_run):
     assert first["backend"] == "gloo" and first["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_best_checkpoint_of_a_language_model_is_its_lowest_val_loss(doc_run):
     out, _, _, _ = doc_run
     rows = read_metrics(out)
@@ -193,6 +195,7 @@ def test_report_shows_a_language_models_loss_perplexity_and_tokens(doc_run, tmp_
     assert [name for name, _ in drawing.panels([run])][1::2] == ["val perplexity", "training tokens/s"]
 
 
+@pytest.mark.slow
 def test_bench_measures_a_language_models_tokens_per_second(tmp_path):
     js = tmp_path / "b.json"
     proc = run_cli("bench", "-c", RECIPE, "--nproc", "1", "--steps", "2", *SMALL, "--json", str(js))

@@ -177,6 +177,7 @@ def test_non_tty_progress_lines_look_like_the_tutorials(one_epoch):
     assert "== step: [10/44] [1/1] | loss: " in stdout and "| acc: " in stdout
 
 
+@pytest.mark.slow
 def test_eval_errors(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint at all")
     (tmp_path / "empty.pt").write_bytes(b"")
@@ -191,6 +192,7 @@ def test_eval_errors(tmp_path):
         assert_user_error(proc, fragment)
 
 
+@pytest.mark.slow
 def test_eval_uses_the_checkpoints_model(one_epoch):
     proc = run_cli("eval", f"checkpoint.path={one_epoch[0] / 'checkpoints' / 'last.pt'}")
     assert proc.returncode == 0, proc.stderr
@@ -203,6 +205,7 @@ def test_eval_uses_the_checkpoints_model(one_epoch):
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_amp_trains_and_checkpoints_the_scaler(tmp_path, amp):
     # CPU autocast in the given dtype; fp16 also runs a GradScaler whose state goes into the checkpoint and
     # comes back on resume (a scaler that restarts at 65536 would skip steps after every resume).
