@@ -208,6 +208,7 @@ def test_a_scheduler_made_before_a_rebuilt_optimizer_is_refused():
 
 
 def _rank_and_sum(offset: int):
+    torch.tensor(torch.ones(1))  # a UserWarning of torch's, the same on every rank
     return ddpkit.get_rank() + offset, ddpkit.all_reduce_sum(ddpkit.get_rank() + 1)
 
 
@@ -219,8 +220,11 @@ def _fail_on_rank_one():
 
 
 @pytest.mark.slow
-def test_launch_runs_a_function_on_n_ranks_in_one_group():
+def test_launch_runs_a_function_on_n_ranks_in_one_group(capfd):
+    """... and a warning every rank gives is printed once for the launch, not once per rank."""
     assert ddpkit.launch(_rank_and_sum, 10, nprocs=3) == [(10, 6), (11, 6), (12, 6)]
+    err = capfd.readouterr().err
+    assert err.count("UserWarning: To copy construct from a tensor") == 1, err
 
 
 @pytest.mark.slow
