@@ -3,6 +3,7 @@ to fall back to one process; a single-GPU script ported in a handful of lines tr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,10 +222,16 @@ def _fail_on_rank_one():
 
 @pytest.mark.slow
 def test_launch_runs_a_function_on_n_ranks_in_one_group(capfd):
-    """... and a warning every rank gives is printed once for the launch, not once per rank."""
+    """... and a warning every rank gives is printed once for the launch, not once per rank (claimed in a
+    folder of the launch, gone when it returns)."""
+    import tempfile
+
+    from ddpkit.diagnostics.stacks import JOB_PREFIX
+
     assert ddpkit.launch(_rank_and_sum, 10, nprocs=3) == [(10, 6), (11, 6), (12, 6)]
     err = capfd.readouterr().err
     assert err.count("UserWarning: To copy construct from a tensor") == 1, err
+    assert not list(Path(tempfile.gettempdir()).glob(f"{JOB_PREFIX}{os.getpid()}-*"))
 
 
 @pytest.mark.slow
