@@ -489,16 +489,20 @@ def test_a_fifo_named_as_an_output_or_a_script_is_one_line_not_a_wait(tmp_path):
     procs = run_clis(
         ["run", str(script)],
         ["report", str(tmp_path), "--json", str(fifo)],
+        ["bench", "--nproc", "2", "--json", str(fifo)],
         ["bench", "--nproc", "2", "--json", str(fifo), "--force"],  # --force replaces files, never a FIFO
         ["bench", "--nproc", "2", "--json", str(existing)],
+        ["slurm", "--script", str(job)],
         ["slurm", "--script", str(job), "--force"],
-        timeout=60,
+        timeout=60,  # a wait on a FIFO fails this test, not the suite
     )
     assert_user_error(procs[0], "train.py' is a FIFO")
     assert_user_error(procs[1], "out.json' is a FIFO")
-    assert_user_error(procs[2], "--json '", "out.json' is a FIFO, not a file")
-    assert_user_error(procs[3], "mine.json' exists and ddpkit did not write it", "--force")
-    assert_user_error(procs[4], "--script '", "job.sh' is a FIFO, not a file")
+    for bench in procs[2:4]:
+        assert_user_error(bench, "--json '", "out.json' is a FIFO, not a file")
+    assert_user_error(procs[4], "mine.json' exists and ddpkit did not write it", "--force")
+    for slurm in procs[5:7]:
+        assert_user_error(slurm, "--script '", "job.sh' is a FIFO, not a file")
     assert existing.read_text() == "kept"
 
 
@@ -668,6 +672,27 @@ def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
         assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr
         assert proc.stderr.count("UserWarning: To copy construct from a tensor") == 1, proc.stderr
         assert proc.stderr.count("UserWarning: rank 1 alone") == 1, proc.stderr
+
+
+def test_every_ranks_warnings_are_shown_again_with_warnings_per_rank(tmp_path, monkeypatch):
+    """DDPKIT_WARNINGS_PER_RANK=1 gives back torch's way: a worker shows a warning another rank of the job
+    already showed (the claims between real workers: the test above and test_porting.py's launch test)."""
+    import warnings
+
+    from ddpkit import channels
+    from ddpkit.diagnostics import warn_once
+
+    for per_rank, copies in (("0", 1), ("1", 2)):
+        seen: list[str] = []
+        monkeypatch.setattr(
+            warnings, "showwarning", lambda message, *rest, seen=seen: seen.append(str(message))
+        )
+        monkeypatch.setenv(channels.WARNINGS_PER_RANK, per_rank)
+        warn_once.install(str(tmp_path / per_rank))
+        # the second show stands for another rank of the job: it finds the warning claimed in the folder
+        for _ in range(2):
+            warnings.showwarning("the same on every rank", UserWarning, "x.py", 1)
+        assert seen == ["the same on every rank"] * copies, per_rank
 
 
 # ------------------------------------------------------------------------------------- signals in every wait

@@ -28,6 +28,7 @@ DEBUG = "DDPKIT_DEBUG"
 COMM_TAMPER = "DDPKIT_COMM_TAMPER"
 LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 JOB_DIR = "DDPKIT_JOB_DIR"
+WARNINGS_PER_RANK = "DDPKIT_WARNINGS_PER_RANK"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.launchers",
@@ -50,6 +51,8 @@ CHANNELS: tuple[Channel, ...] = (
             "set: torch's agent and store keep their own log lines"),
     Channel(JOB_DIR, "diagnostics.stacks (the launcher, while workers run)", "diagnostics.stacks (workers)",
             "the launcher's job folder: each worker leaves its pid, its SIGUSR2 stack dumps and its error line"),
+    Channel(WARNINGS_PER_RANK, "the user", "diagnostics.warn_once (workers)",
+            "'1': every rank prints its own warnings, as plain torchrun does (default: a warning once for the job)"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
     Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",

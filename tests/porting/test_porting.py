@@ -3,6 +3,7 @@ to fall back to one process; a single-GPU script ported in a handful of lines tr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -208,6 +209,7 @@ def test_a_scheduler_made_before_a_rebuilt_optimizer_is_refused():
 
 
 def _rank_and_sum(offset: int):
+    torch.tensor(torch.ones(1))  # a UserWarning of torch's, the same on every rank
     return ddpkit.get_rank() + offset, ddpkit.all_reduce_sum(ddpkit.get_rank() + 1)
 
 
@@ -219,8 +221,17 @@ def _fail_on_rank_one():
 
 
 @pytest.mark.slow
-def test_launch_runs_a_function_on_n_ranks_in_one_group():
+def test_launch_runs_a_function_on_n_ranks_in_one_group(capfd):
+    """... and a warning every rank gives is printed once for the launch, not once per rank (claimed in a
+    folder of the launch, gone when it returns)."""
+    import tempfile
+
+    from ddpkit.diagnostics.stacks import JOB_PREFIX
+
     assert ddpkit.launch(_rank_and_sum, 10, nprocs=3) == [(10, 6), (11, 6), (12, 6)]
+    err = capfd.readouterr().err
+    assert err.count("UserWarning: To copy construct from a tensor") == 1, err
+    assert not list(Path(tempfile.gettempdir()).glob(f"{JOB_PREFIX}{os.getpid()}-*"))
 
 
 @pytest.mark.slow

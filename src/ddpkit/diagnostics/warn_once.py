@@ -7,7 +7,10 @@ warning by creating a file named after it in the launcher's job folder (O_CREAT 
 processes); the others find it taken and stay silent. A warning that only some ranks give (one naming a rank,
 one from a rank's own data) is still printed once by the first of them. Python's own filters run first, so
 `-W`/`PYTHONWARNINGS` and warnings.filterwarnings keep working; the folder is per launcher, so a job over several
-machines prints a warning once per machine.
+machines prints a warning once per machine. The workers of `ddpkit train`, `ddpkit run` (either launcher) and
+`ddpkit.launch()` claim their warnings so. `DDPKIT_WARNINGS_PER_RANK=1` in the environment gives back torch's way:
+every rank prints each of its warnings. Only warnings that pass through Python's `warnings` module are claimed:
+a line torch's C++ code prints to stderr itself is each rank's own.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ import hashlib
 import os
 import warnings
 
+from ddpkit import channels
+
 FOLDER = "warned"
 
 
 def install(job: str) -> None:
-    """Show each warning of this process only if no other worker of the job in folder `job` showed it."""
+    """Show each warning of this process only if no other worker of the job in folder `job` showed it; with
+    DDPKIT_WARNINGS_PER_RANK=1, leave this process's warnings alone."""
+    if os.environ.get(channels.WARNINGS_PER_RANK) == "1":
+        return
     shown = warnings.showwarning
     folder = os.path.join(job, FOLDER)
 

@@ -12,12 +12,14 @@ import os
 import pickle
 import queue
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from ddpkit import channels
+from ddpkit.diagnostics import stacks
 from ddpkit.distributed import blame
 from ddpkit.errors import UserError, first_line
 
@@ -47,9 +49,10 @@ def _worker(
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
     os.environ.update(torch_variables(env), **rendezvous, **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    from ddpkit.diagnostics import stacks
+    from ddpkit.diagnostics import warn_once
 
     stacks.arm()  # SIGUSR2 dumps this worker's Python stack to stderr
+    warn_once.install(options["warned"])  # a warning every rank gives is printed once for the launch
     try:
         init_distributed(options["backend"], options["device"], options["timeout_s"])
         value = fn(*args)
@@ -120,8 +123,6 @@ def launch(
     """
     import torch.multiprocessing as mp
 
-    from ddpkit.launcher.launch import host_store
-
     _check_arguments(fn, nprocs, backend, device, timeout_s, start_method)
     method = start_method or ("fork" if _interactive(fn) else "spawn")
     if method != "fork":
@@ -135,8 +136,21 @@ def launch(
                 "create models and tensors inside fn, or define fn in a module and use start_method='spawn'",
             )
     ctx = mp.get_context(method)
+    # where the workers claim the warnings they show (diagnostics.warn_once); named like a launcher's job
+    # folder, so that one left by a launch that was killed is swept (it holds no launcher.pid: never a job)
+    with tempfile.TemporaryDirectory(
+        prefix=f"{stacks.JOB_PREFIX}{os.getpid()}-", ignore_cleanup_errors=True
+    ) as warned:
+        options = {"backend": backend, "device": device, "timeout_s": timeout_s, "warned": warned}
+        return _run_workers(ctx, nprocs, fn, args, options)
+
+
+def _run_workers(
+    ctx: Any, nprocs: int, fn: Callable[..., Any], args: tuple, options: dict[str, Any]
+) -> list[Any]:
+    from ddpkit.launcher.launch import host_store
+
     results = ctx.Queue()
-    options = {"backend": backend, "device": device, "timeout_s": timeout_s}
     store, rendezvous = host_store()  # the workers' store, kept open until they are done
     procs = [
         ctx.Process(target=_worker, args=(r, nprocs, rendezvous, fn, args, options, results), daemon=False)
@@ -146,7 +160,7 @@ def launch(
         p.start()
     ok = False
     try:
-        values = _collect(procs, results, timeout_s)
+        values = _collect(procs, results, options["timeout_s"])
         ok = True
         return values
     finally:
