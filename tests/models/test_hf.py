@@ -66,3 +66,35 @@ def test_a_family_from_outside_reads_and_writes_its_own_hugging_face_folder(tmp_
         UserError, match=r"type 'pairnet'; ddpkit reads the GPT-2 \(gpt2\) and Llama \(llama\) arch"
     ):
         ddpkit.load_model(tmp_path / "out")
+
+
+def test_a_family_from_outside_checks_its_own_keys_and_sizes_before_anything_is_built():
+    """models.check_arch asks the family (ModelFamily.check_keys, .estimate), not a list of built-in names."""
+    from ddpkit.config import load_config
+    from ddpkit.models import MODEL_FAMILIES, ModelFamily, check_arch, register_model
+
+    asked = []
+
+    def check_keys(m):
+        asked.append(m.n_layer)
+        if m.n_layer == 3:
+            raise UserError("model.n_layer=3 is unlucky for tinylm", "pick another")
+
+    family = ModelFamily(
+        "tinylm",
+        owns=lambda arch: arch == "tinylm",
+        build=None,
+        build_lm=lambda arch, vocab, block, m: nn.Linear(1, 1),
+        check_keys=check_keys,
+        estimate=lambda m, block, batch: ((m.n_layer - 1) * 10**12, 0),  # a trillion parameters a layer after the first
+    )
+    register_model(family)
+    try:
+        check_arch(load_config(None, ["model.arch=tinylm", "data.dataset=text", "model.n_layer=1"]))
+        with pytest.raises(UserError, match="unlucky for tinylm"):
+            check_arch(load_config(None, ["model.arch=tinylm", "data.dataset=text", "model.n_layer=3"]))
+        with pytest.raises(UserError, match="needs about .* GiB"):
+            check_arch(load_config(None, ["model.arch=tinylm", "data.dataset=text", "model.n_layer=2"]))
+        assert asked == [1, 3, 2]
+    finally:
+        MODEL_FAMILIES.unregister("tinylm")

@@ -165,9 +165,8 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
-    """A language model needs token data and a classifier images; the GPT's width fits its heads."""
+    """A language model needs token data and a classifier images; the family's own keys fit together."""
     from ddpkit.data.registry import get_dataset
-    from ddpkit.models import llama
 
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens
@@ -181,17 +180,7 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
             f"data.dataset={dataset} holds text, but model.arch={arch} classifies images",
             "use model.arch=gpt or llama",
         )
-    m = cfg.model
-    if family.tokens and m.n_embd % m.n_head:
-        raise UserError(
-            f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
-            "pick n_embd = n_head x the width of one head",
-        )
-    if family is llama.FAMILY and m.n_kv_head is not None and m.n_head % m.n_kv_head:
-        raise UserError(
-            f"model.n_head={m.n_head} is not a multiple of model.n_kv_head={m.n_kv_head}",
-            "pick n_kv_head dividing n_head (each key/value head serves n_head / n_kv_head query heads)",
-        )
+    family.check_keys(cfg.model)
 
 
 # float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
@@ -207,14 +196,10 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
     """A language model whose estimated weights, gradients, optimizer state and one micro-batch's activations
     fit this machine's memory: every rank builds the whole model before it is spread, so a size that cannot fit
     is refused before anything is allocated."""
-    if not family.tokens:
+    if family.estimate is None:
         return
-    from ddpkit.models import gpt
-
     m = cfg.model
-    params, activations = gpt.estimate(
-        m.n_layer, m.n_head, m.n_embd, cfg.data.block_size, cfg.train.batch_size
-    )
+    params, activations = family.estimate(m, cfg.data.block_size, cfg.train.batch_size)
     need, have = params * BYTES_PER_PARAM + activations, machine_memory()
     if need > have:
         if activations > params * BYTES_PER_PARAM:

@@ -69,6 +69,12 @@ class ModelFamily:
     # its own config keys: dataclasses of opt() fields, added to the `model` section when the family is
     # registered (`cfg.model.my_width`) and documented under it in --help-config (config/declared.py)
     keys: tuple[type, ...] = ()
+    # (cfg.model) -> a UserError for values of its own keys that do not fit together (models.check_arch, before
+    # workers start)
+    check_keys: Callable[[Any], None] = lambda model_cfg: None
+    # (cfg.model, block_size, micro-batch) -> (parameters, bytes of activations kept for backward), before anything
+    # is built: a size this machine cannot hold is refused in one line (models.check_arch); None: not estimated
+    estimate: Callable[[Any, int, int], tuple[int, int]] | None = None
     # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
     # format would be one more field like it
     hf: HFConverter | None = None

@@ -154,6 +154,20 @@ def estimate(n_layer: int, n_head: int, n_embd: int, block_size: int, batch: int
     return params, int(2 * n_layer * per_block)
 
 
+def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
+    """estimate() from the `model` config section (ModelFamily.estimate)."""
+    return estimate(m.n_layer, m.n_head, m.n_embd, block_size, batch)
+
+
+def check_heads(m: Any) -> None:
+    """The width fits the heads (ModelFamily.check_keys)."""
+    if m.n_embd % m.n_head:
+        raise UserError(
+            f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
+            "pick n_embd = n_head x the width of one head",
+        )
+
+
 def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
     return GPT(
         vocab_size,
@@ -285,5 +299,7 @@ FAMILY = ModelFamily(
     **STACK.family_fields(),
     keys=BUILTIN_KEYS["gpt"],
     hf=HFConverter("gpt2", "GPT-2", gpt2_shape, gpt2_to_gpt, GPT, gpt2_config, gpt_to_gpt2),
+    check_keys=check_heads,
+    estimate=estimate_of,
     order=200,
 )

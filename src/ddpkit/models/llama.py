@@ -19,9 +19,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import HFConverter, ModelFamily
-from ddpkit.models.gpt import _no_images
+from ddpkit.models.gpt import _no_images, check_heads
+from ddpkit.models.gpt import estimate as gpt_estimate
 from ddpkit.models.hf import need, refuse
 from ddpkit.models.keys import BUILTIN_KEYS
 
@@ -269,6 +271,28 @@ STACK = BlockStack(
     tp_keys=("model.n_head", "model.n_embd", "data.block_size", "model.n_kv_head"),
 )
 
+
+def check_keys(m: Any) -> None:
+    """The width fits the heads, and the key/value heads the query heads (ModelFamily.check_keys)."""
+    check_heads(m)
+    if m.n_kv_head is not None and m.n_head % m.n_kv_head:
+        raise UserError(
+            f"model.n_head={m.n_head} is not a multiple of model.n_kv_head={m.n_kv_head}",
+            "pick n_kv_head dividing n_head (each key/value head serves n_head / n_kv_head query heads)",
+        )
+
+
+def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
+    """(parameters, activation bytes) before building (ModelFamily.estimate): the attention's projections (the
+    keys' and values' for n_kv_head heads), the SwiGLU's three, the norms; the activations as the GPT's."""
+    head = m.n_embd // max(1, m.n_head)
+    kv = (m.n_kv_head or m.n_head) * head
+    hidden = swiglu_width(m.n_embd, m.ffn_hidden)
+    per_layer = 2 * m.n_embd * m.n_embd + 2 * m.n_embd * kv + 3 * m.n_embd * hidden + 2 * m.n_embd
+    _, activations = gpt_estimate(m.n_layer, m.n_head, m.n_embd, block_size, batch)
+    return m.n_layer * per_layer + m.n_embd, activations
+
+
 FAMILY = ModelFamily(
     "llama",
     owns=lambda arch: arch == "llama",
@@ -279,5 +303,7 @@ FAMILY = ModelFamily(
     **STACK.family_fields(),
     keys=BUILTIN_KEYS["llama"],
     hf=HFConverter("llama", "Llama", llama_shape, llama_to_ours, Llama, llama_config, ours_to_llama),
+    check_keys=check_keys,
+    estimate=estimate_of,
     order=300,
 )
