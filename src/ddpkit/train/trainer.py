@@ -204,8 +204,7 @@ class Trainer:
         state.begin_epoch(epoch)
         if self.pipeline is not None:
             self.pipeline.begin_epoch(state.sums)
-        if self.pipeline is None:
-            self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
+        self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:

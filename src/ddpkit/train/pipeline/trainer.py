@@ -120,8 +120,9 @@ def forward_backward(trainer, micro_batches) -> None:
     accum = trainer.cfg.train.grad_accum_steps
     for i, (x, y) in enumerate(micro_batches):  # train.grad_accum_steps batches, each through the schedule
         x, y = to_device(x, y, trainer.device, trainer.cfg.model.channels_last)
-        loss, out = parts.runner.step(x, y, accumulate=i > 0, share_loss=False)  # the loss: last stage only
-        if out is not None and parts.runner.counts:
+        # the loss on the last stage's rank only; its output only where the task counts from it (accuracy)
+        loss, out = parts.runner.step(x, y, accumulate=i > 0, share_loss=False, outputs=trainer.task.accuracy)
+        if loss is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
         if loss is not None:  # the non-finite check compares every rank's notes at the log points
             trainer.nonfinite.see(loss)
