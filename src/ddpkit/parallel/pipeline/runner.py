@@ -125,6 +125,7 @@ class PipelineRunner:
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
         self.shard = shard
         self.wrapped = [self._wrap(m) for m in self.stages]
+        self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
         pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
             for w, sid in zip(self.wrapped, self.ids, strict=True)
@@ -142,11 +143,21 @@ class PipelineRunner:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # find_unused_parameters: torch's schedules infer the stages' shapes by a forward and backward through
-        # the DDP module on the first step, outside no_sync; after it, GPipe's first forward fails DDP's bucket
-        # rebuild (an internal assert: twice the parameters recorded) unless DDP does not rebuild its buckets,
-        # which find_unused_parameters=True turns off (checked with torch 2.14; static_graph=True fails too)
-        return DDP(module, process_group=self.dp_group, find_unused_parameters=True)
+        # every forward through it runs under no_sync (step()), and torch's stage starts the gradients' reduction
+        # itself in the last micro-batch's backward: DDP needs no search for unused parameters
+        return DDP(module, process_group=self.dp_group)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's no_sync over the step: torch's schedules run their forwards under it and reduce the gradients
+        in the last backward themselves, but on the first step they infer the stages' shapes by a forward and
+        backward through the module outside it, which without this leaves DDP's reducer with every parameter
+        recorded twice (GPipe's next forward then fails DDP's bucket rebuild, torch 2.14)."""
+        if not self.ddp:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for w in self.ddp:
+            stack.enter_context(w.no_sync())
+        return stack
 
     # ---- the parameters this rank owns ---------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -189,7 +200,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
-        with self.autocast():
+        with self.autocast(), self._no_sync():
             out = self.schedule.step(
                 *args, target=target, losses=losses, return_outputs=outputs and self.last
             )
