@@ -10,6 +10,7 @@ one process group (`--rounds` alternations, medians reported).
 
     python benchmarks/pp_vs_handwritten.py                  # n_layer 4, n_embd 128, block 64, batch 16
     python benchmarks/pp_vs_handwritten.py --only pp --steps 40 --n-embd 256
+    python benchmarks/pp_vs_handwritten.py --only pp --paired 80   # steps alternated pair by pair
 """
 
 from __future__ import annotations
@@ -151,6 +152,31 @@ def _measure(args) -> dict:
     return {k: {m: round(statistics.median(v), 3) for m, v in row.items()} for k, row in out.items()}
 
 
+def _paired(args) -> dict:
+    """Each side's step alternated with the other's, `--paired` pairs in one process group (the side that goes
+    first alternates too): the load of a shared machine hits both alike. Per kind: the median step times and the
+    median over the pairs of hand-written time / prepare time (prepare's tokens/s against the hand-written)."""
+    out = {}
+    for kind in ("pp", "tp") if args.only == "both" else (args.only,):
+        (hand_name, make_hand), (ported_name, make_ported) = RUNS[kind]
+        steps = {hand_name: make_hand(args), ported_name: make_ported(args)}
+        for step in steps.values():
+            for _ in range(args.warmup + 1):
+                step()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for i in range(args.paired):
+            for name in list(steps)[:: 1 if i % 2 else -1]:
+                dist.barrier()
+                t = time.perf_counter()
+                steps[name]()
+                dist.barrier()
+                times[name].append(time.perf_counter() - t)
+        ratios = [h / p for h, p in zip(times[hand_name], times[ported_name], strict=True)]
+        out.update({name: {"step_ms": round(statistics.median(t) * 1000, 2)} for name, t in times.items()})
+        out[f"{kind}: prepare/handwritten tokens/s (paired)"] = round(statistics.median(ratios), 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-layer", type=int, default=4)
@@ -166,7 +192,17 @@ def main() -> None:
         action="store_true",
         help="tp: both sides with sequence parallelism (the NCCL plan)",
     )
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N pairs of steps, the sides alternated step by step (robust to a shared machine's load)",
+    )
     args = p.parse_args()
+    if args.paired:
+        print(json.dumps(ddpkit.launch(_paired, args, nprocs=2)[0], indent=2))
+        return
     result = ddpkit.launch(_measure, args, nprocs=2)[0]
     for kind in ("pp", "tp"):
         if f"{kind} prepare" in result:

@@ -66,10 +66,11 @@ MOVED: dict[str, str] = {
             ("pipeline_api", "user_model"),
             ("pipeline_plan", "plan"),
             ("pipeline_split", "split"),
-            ("pipeline_trainer", "trainer"),
             ("stage_state", "stage_state"),
         )
     },
+    "ddpkit.parallel.pipeline_trainer": _T + "pipeline.trainer",
+    "ddpkit.parallel.pipeline.trainer": _T + "pipeline.trainer",
 }
 
 

@@ -56,11 +56,22 @@ class Counter:
         setattr(owner, name, counted)
 
 
+# What a pipeline step must not do: walk the stages' modules to set their mode (once an epoch is enough), or
+# concatenate the last stage's micro-batch outputs (a language model's step counts tokens, not logits).
+PIPELINE_WORK = {"train": (torch.nn.Module, "train"), "cat": (torch, "cat")}
+
+
 def _between_log_points(
-    rank: int, world_size: int, out_dir: str, steps: int, run: tuple[str, ...] = tuple(SMALL)
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    steps: int,
+    run: tuple[str, ...] = tuple(SMALL),
+    also: tuple[str, ...] = (),
 ) -> dict[str, int]:
     """Train `steps` + 1 optimizer steps with train.log_every past them; count host reads, memory-format copies
-    and Python-level collectives from the end of the first step (start-up, memory probe) to the end of the loop."""
+    and Python-level collectives (and the PIPELINE_WORK named in `also`) from the end of the first step
+    (start-up, memory probe) to the end of the loop."""
     cfg = load_config(
         None,
         [f"out_dir={out_dir}", *run, "train.batch_size=16", f"train.max_steps={steps + 1}"]
@@ -77,6 +88,10 @@ def _between_log_points(
     for name in COLLECTIVES:
         counter.wrap(dist, name)
     counter.wrap(torch.cuda, "synchronize")
+    extra = {name: PIPELINE_WORK[name] for name in also}
+    saved_extra = {name: getattr(owner, attr) for name, (owner, attr) in extra.items()}
+    for owner, attr in extra.values():
+        counter.wrap(owner, attr)
     step, end = trainer.train_step, trainer.log.epoch_end
 
     def train_step(micro_batches):
@@ -96,6 +111,8 @@ def _between_log_points(
         for name, fn in saved_dist.items():
             setattr(dist, name, fn)
         torch.cuda.synchronize = saved_sync
+        for name, fn in saved_extra.items():
+            setattr(*extra[name], fn)
     assert trainer.state.step == steps + 1
     return counter.calls
 
@@ -113,12 +130,14 @@ def test_steps_between_log_points_read_nothing_from_the_device_and_start_no_coll
 def test_pipeline_steps_between_log_points_start_no_collective_but_the_schedules_own(tmp_path):
     # dist.pp=2 (the GPT cut in two, untied: no shared weight to sum): the stages' sends and receives are the
     # pipeline's own; the loss reaches the first stage's progress line at the log points only (before: a
-    # broadcast after every step, a wait of every stage for the last). 4 steps between log points.
+    # broadcast after every step, a wait of every stage for the last). 4 steps between log points. Nor does a
+    # step set the stages' mode (before: a walk of every module each step) or concatenate the last stage's
+    # outputs, which a language model's step does not count from (before: kept and concatenated every step).
     text = tmp_path / "corpus.txt"
     text.write_text(GPT_TEXT)
     gpt = [a for a in GPT_RUN if not a.startswith("train.log_every")]
     run = (*gpt, f"data.root={text}", "dist.pp=2", "model.tie_embeddings=false", "train.log_every=1000")
-    results = run_group(_between_log_points, 2, str(tmp_path / "run"), 4, run)
+    results = run_group(_between_log_points, 2, str(tmp_path / "run"), 4, run, tuple(PIPELINE_WORK))
     # (`contiguous` here is the stage edges' own: what a stage sends must be contiguous, a no-op when it is)
     assert [{k: n for k, n in r.items() if k != "contiguous"} for r in results] == [{}, {}], results
 

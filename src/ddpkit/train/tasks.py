@@ -37,7 +37,7 @@ def _rate(count: float, elapsed: float) -> float | None:
 class Classification:
     """Labelled images: cross-entropy of the logits (N, classes); top-1 and top-5 accuracy."""
 
-    accuracy = True  # train_acc1 / val_acc1 / val_acc5 are measured
+    accuracy = True  # train_acc1 / val_acc1 / val_acc5 are measured (accumulate reads a step's logits)
 
     def __init__(self, criterion: nn.Module | None = None):
         self.criterion = criterion or nn.CrossEntropyLoss()
@@ -94,7 +94,7 @@ class Classification:
 class LanguageModel:
     """Token sequences: mean next-token cross-entropy of the logits (N, T, vocab); perplexity; tokens/s."""
 
-    accuracy = False
+    accuracy = False  # accumulate counts tokens: it needs no logits (a pipeline's last stage keeps none)
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -103,7 +103,7 @@ class LanguageModel:
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def accumulate(
-        self, sums: RunningSums, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor
+        self, sums: RunningSums, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor
     ) -> None:
         sums.count(loss, 0, y.numel())
 

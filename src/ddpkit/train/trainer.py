@@ -33,7 +33,6 @@ from ddpkit.launcher import startup
 from ddpkit.models import flops
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
-from ddpkit.parallel.pipeline import trainer as pipeline_trainer
 from ddpkit.parallel.strategy import build_strategy, ddp_options
 from ddpkit.train import curves, optim
 from ddpkit.train.builders import (
@@ -49,6 +48,7 @@ from ddpkit.train.health import Heartbeat, explain_comm_failures
 from ddpkit.train.memory import MemoryProbe
 from ddpkit.train.metrics import RunLog, banner, epoch_line, final_line, read_metrics
 from ddpkit.train.metrics_file import EpochEnd, make_row, measured
+from ddpkit.train.pipeline import trainer as pipeline_trainer
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
 from ddpkit.train.tasks import Task, evaluate, task_for
@@ -204,8 +204,7 @@ class Trainer:
         state.begin_epoch(epoch)
         if self.pipeline is not None:
             self.pipeline.begin_epoch(state.sums)
-        if self.pipeline is None:
-            self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
+        self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:

@@ -61,7 +61,9 @@ class _ContiguousGrad(torch.autograd.Function):
 class ContiguousEdges(nn.Module):
     """A stage whose inputs' gradients and whose outputs are contiguous: what it sends to its neighbour stages
     (activations forward, gradients backward) in the layout a send takes, whatever memory format it computes in
-    (model.channels_last). Values are unchanged."""
+    (model.channels_last). Values are unchanged. (The inputs' gradients need it although the `.grad` a schedule
+    sends is laid out as the input: on the first step torch lays the previous stage's receive buffer out as the
+    stage computed that gradient, and gloo refuses to receive into a buffer that is not contiguous.)"""
 
     def __init__(self, stage: nn.Module):
         super().__init__()
@@ -123,6 +125,7 @@ class PipelineRunner:
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
         self.shard = shard
         self.wrapped = [self._wrap(m) for m in self.stages]
+        self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
         pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
             for w, sid in zip(self.wrapped, self.ids, strict=True)
@@ -140,9 +143,21 @@ class PipelineRunner:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # find_unused_parameters: the schedules run several forwards before their backwards (GPipe), and
-        # without it DDP's reducer fails an internal assert when it rebuilds its buckets (checked with torch 2.14)
-        return DDP(module, process_group=self.dp_group, find_unused_parameters=True)
+        # every forward through it runs under no_sync (step()), and torch's stage starts the gradients' reduction
+        # itself in the last micro-batch's backward: DDP needs no search for unused parameters
+        return DDP(module, process_group=self.dp_group)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's no_sync over the step: torch's schedules run their forwards under it and reduce the gradients
+        in the last backward themselves, but on the first step they infer the stages' shapes by a forward and
+        backward through the module outside it, which without this leaves DDP's reducer with every parameter
+        recorded twice (GPipe's next forward then fails DDP's bucket rebuild, torch 2.14)."""
+        if not self.ddp:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for w in self.ddp:
+            stack.enter_context(w.no_sync())
+        return stack
 
     # ---- the parameters this rank owns ---------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -163,13 +178,19 @@ class PipelineRunner:
         return dist.get_global_rank(self.pp_group, stage % self.pp)
 
     def step(
-        self, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False, share_loss: bool = True
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        accumulate: bool = False,
+        share_loss: bool = True,
+        outputs: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Forward and backward of one batch (cut into the micro-batches); gradients are those of the batch's
-        mean loss (`accumulate`: added to the gradients already there). Returns that loss (detached) on every
-        rank of the pipeline (`share_loss=False`: on the last stage's rank only, None elsewhere, and no
-        collective), and the last stage's output of the whole batch on the rank running it (None elsewhere)."""
-        self.train()
+        """Forward and backward of one batch (cut into the micro-batches) in the stages' own mode (train() or
+        eval(), as the caller set it: `evaluate` puts back the mode it found); gradients are those of the
+        batch's mean loss (`accumulate`: added to the gradients already there). Returns that loss (detached)
+        on every rank of the pipeline (`share_loss=False`: on the last stage's rank only, None elsewhere, and
+        no collective), and with `outputs` the last stage's output of the whole batch on the rank running it
+        (None elsewhere, and None without `outputs`: the schedule then keeps no micro-batch's output)."""
         # the schedule divides every gradient by the micro-batches at its end, those already there too: they
         # are set aside and added back
         params = self.parameters() if accumulate else []
@@ -179,8 +200,10 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
-        with self.autocast():
-            out = self.schedule.step(*args, target=target, losses=losses, return_outputs=self.last)
+        with self.autocast(), self._no_sync():
+            out = self.schedule.step(
+                *args, target=target, losses=losses, return_outputs=outputs and self.last
+            )
         loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else None
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
@@ -188,7 +211,7 @@ class PipelineRunner:
         for p, g in zip(params, kept, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-        return loss, (_local(out).detach() if self.last and out is not None else None)
+        return loss, (_local(out).detach() if out is not None else None)
 
     def from_last(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as the last stage's rank holds it, on every rank of this pipeline (collective over it; the other

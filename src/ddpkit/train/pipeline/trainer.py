@@ -5,6 +5,7 @@ The Trainer asks `build` for the parts, calls `forward_backward` instead of its 
 `ddpkit.clip_grad_norm_` (parallel/clip.py: over every stage) instead of torch's, and `evaluate` for exact
 validation metrics. Checkpoints hold full-model names (the stages' state dicts gathered on rank 0) and the
 optimizer state keyed by those names (parallel/pipeline/stage_state.py), so they load into any layout.
+This is the Trainer's side of a pipeline; the cutting and the running live below it, in parallel/pipeline/.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from ddpkit.parallel.pipeline.runner import PipelineRunner
 from ddpkit.parallel.pipeline.split import traced_stages
 from ddpkit.parallel.strategy import Strategy as BaseStrategy
 from ddpkit.parallel.strategy import build_strategy
+from ddpkit.train.builders import to_device
+from ddpkit.train.metrics import RunningSums
+from ddpkit.train.tasks import EVAL_WIDTH
 
 
 @dataclass
@@ -42,8 +46,6 @@ class PipelineParts:
         its progress line adds to them what the last stage counted (progress_sums)."""
         if self.runner.last:
             return
-        from ddpkit.train.metrics import RunningSums
-
         self.shown = RunningSums(sums.t.device, accuracy=False)
         self.resumed = sums.t[0::2].clone()
 
@@ -114,14 +116,13 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
 
 def forward_backward(trainer, micro_batches) -> None:
     """The pipeline's forward and backward of one optimizer step's batch, counted in the train sums once."""
-    from ddpkit.train.builders import to_device
-
     parts: PipelineParts = trainer.pipeline
     accum = trainer.cfg.train.grad_accum_steps
     for i, (x, y) in enumerate(micro_batches):  # train.grad_accum_steps batches, each through the schedule
         x, y = to_device(x, y, trainer.device, trainer.cfg.model.channels_last)
-        loss, out = parts.runner.step(x, y, accumulate=i > 0, share_loss=False)  # the loss: last stage only
-        if out is not None and parts.runner.counts:
+        # the loss on the last stage's rank only; its output only where the task counts from it (accuracy)
+        loss, out = parts.runner.step(x, y, accumulate=i > 0, share_loss=False, outputs=trainer.task.accuracy)
+        if loss is not None and parts.runner.counts:
             trainer.task.accumulate(trainer.state.sums, loss, out, y)
         if loss is not None:  # the non-finite check compares every rank's notes at the log points
             trainer.nonfinite.see(loss)
@@ -133,8 +134,6 @@ def forward_backward(trainer, micro_batches) -> None:
 
 def evaluate(trainer) -> dict[str, Any]:
     """Exact validation metrics (every sample once, forward only through the stages), on every rank."""
-    from ddpkit.train.tasks import EVAL_WIDTH
-
     parts: PipelineParts = trainer.pipeline
     sums = parts.runner.evaluate(trainer.val_loader, trainer.task.eval_sums, EVAL_WIDTH, parts.fixed_batch)
     return trainer.task.val_fields(sums.tolist())
