@@ -86,7 +86,10 @@ def test_a_family_from_outside_checks_its_own_keys_and_sizes_before_anything_is_
         build=None,
         build_lm=lambda arch, vocab, block, m: nn.Linear(1, 1),
         check_keys=check_keys,
-        estimate=lambda m, block, batch: ((m.n_layer - 1) * 10**12, 0),  # a trillion parameters a layer after the first
+        estimate=lambda m, block, batch: (
+            (m.n_layer - 1) * 10**12,
+            0,
+        ),  # a trillion parameters a layer after the first
     )
     register_model(family)
     try:
