@@ -153,6 +153,7 @@ def test_language_model_metrics_hold_loss_perplexity_and_tokens(doc_run):
     )
 
 
+@pytest.mark.slow
 def test_every_metrics_line_follows_the_schema(doc_run):
     out, _, _, _ = doc_run
     first, second = read_metrics(out)
@@ -173,6 +174,7 @@ def test_best_checkpoint_of_a_language_model_is_its_lowest_val_loss(doc_run):
     assert best["best_acc1"] == -1.0
 
 
+@pytest.mark.slow
 def test_eval_scores_the_checkpoint_as_training_did(doc_run):
     out, _, result, _ = doc_run
     row = min(read_metrics(out), key=lambda r: r["val_loss"])
@@ -181,6 +183,7 @@ def test_eval_scores_the_checkpoint_as_training_did(doc_run):
     assert result["val_ppl"] == pytest.approx(row["val_ppl"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_report_shows_a_language_models_loss_perplexity_and_tokens(doc_run, tmp_path):
     out, _, _, table = doc_run
     rows = read_metrics(out)
@@ -238,6 +241,7 @@ def strategy_rows(tmp_path_factory):
     return {**two, **one}
 
 
+@pytest.mark.slow
 def test_ddp_zero1_and_fsdp_train_the_gpt_like_one_process(strategy_rows):
     single = strategy_rows["single"]
     for name in ("ddp", "zero1", "fsdp"):
@@ -246,6 +250,7 @@ def test_ddp_zero1_and_fsdp_train_the_gpt_like_one_process(strategy_rows):
         assert row["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4), name
 
 
+@pytest.mark.slow
 def test_memory_fields_show_what_each_strategy_shards(strategy_rows):
     single, ddp, zero1, fsdp = (strategy_rows[n] for n in ("single", "ddp", "zero1", "fsdp"))
     for row in (single, ddp, zero1, fsdp):
