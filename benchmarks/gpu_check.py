@@ -8,6 +8,7 @@ against a plain DDP loop (throughput_vs_plain_ddp.py, workers 0 and 4, as RESULT
                                                     # split it with --parts, e.g. comparisons, then comm paths)
     python benchmarks/gpu_check.py --out DIR --dry-run   # the commands it would run, nothing run (any machine)
     python benchmarks/gpu_check.py --out DIR --parts paths resnet50
+    python benchmarks/gpu_check.py --out DIR --parts workers   # the loader-workers gap (RESULTS 12b), ~2 minutes
 
 Every case is a subprocess; the script reads each run's metrics.jsonl (the comparisons: their own tables) and
 prints one table at the end (case, exit code, wall seconds, final validation figure, training throughput, ratio
@@ -79,6 +80,31 @@ RESNET50 = [
 ]
 CASES.append(("resnet50_224_bf16_cl", ["train", *RESNET50]))
 
+# The loader-workers gap on CUDA (RESULTS section 12b: resnet18 with 4 workers at 0.28x the plain loop, with none at
+# 1.43x): the slow run of throughput_vs_plain_ddp.py's ddpkit side (25,600 images, one launched process, one thread)
+# against the same with 4 threads, without pinned memory, and without workers; each case's environment beside it.
+SLOW_W4 = [
+    *RESNET[:2],
+    "data.synthetic_size=25600",
+    "data.synthetic_val_size=128",
+    "train.epochs=2",
+    "train.batch_size=256",
+    "data.augment=false",
+    "dist.device=cuda",
+    "--nproc-per-node",
+    "1",
+]
+WORKERS: list[tuple[str, dict[str, str], list[str]]] = [
+    ("w4_omp1", {"OMP_NUM_THREADS": "1"}, ["train", *SLOW_W4, "data.num_workers=4"]),
+    ("w4_omp4", {"OMP_NUM_THREADS": "4"}, ["train", *SLOW_W4, "data.num_workers=4"]),
+    (
+        "w4_omp1_nopin",
+        {"OMP_NUM_THREADS": "1"},
+        ["train", *SLOW_W4, "data.num_workers=4", "data.pin_memory=false"],
+    ),
+    ("w0_omp1", {"OMP_NUM_THREADS": "1"}, ["train", *SLOW_W4, "data.num_workers=0"]),
+]
+
 BENCH = Path(__file__).resolve().parent
 # The comparisons with hand-written loops: (name, script arguments); each prints its own table.
 COMPARISONS: list[tuple[str, list[str]]] = [
@@ -96,7 +122,8 @@ COMPARISONS: list[tuple[str, list[str]]] = [
         for w in (0, 4)
     ),
 ]
-PARTS = ("comm", "paths", "resnet50", "comparisons")
+PARTS = ("comm", "paths", "resnet50", "comparisons", "workers")
+ENV: dict[str, dict[str, str]] = {name: env for name, env, _ in WORKERS}  # a case's own variables
 
 
 def last_metrics(run: Path) -> dict:
@@ -109,8 +136,9 @@ def last_metrics(run: Path) -> dict:
 def run_case(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
     run = root / name
     t0 = time.perf_counter()
+    env = {**os.environ, **ENV.get(name, {})}
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", str(e.stderr or "")
@@ -143,6 +171,10 @@ def planned(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
             out.append((part, name, train_command(name, cargs, args.out / "runs")))
     if "comparisons" in args.parts:
         out += [("comparisons", name, [sys.executable, *cargs]) for name, cargs in COMPARISONS]
+    if "workers" in args.parts:
+        out += [
+            ("workers", name, train_command(name, cargs, args.out / "runs")) for name, _, cargs in WORKERS
+        ]
     return out
 
 
@@ -186,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = planned(args)
     if args.dry_run:
         for part, name, cmd in plan:
-            print(f"{part} {name}: {' '.join(cmd)}")
+            env = " ".join(f"{k}={v}" for k, v in ENV.get(name, {}).items())
+            print(f"{part} {name}: {env + ' ' if env else ''}{' '.join(cmd)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runs").mkdir(exist_ok=True)

@@ -57,6 +57,9 @@ def test_the_dry_run_builds_every_command(tmp_path):
     by_name = {ln.split(":", 1)[0].split()[1]: shlex.split(ln.split(": ", 1)[1]) for ln in lines}
     assert {"comm_nccl", "digits_fp32", "resnet50_224_bf16_cl", "launch_bound"} <= set(by_name)
     assert {"resnet18_vs_plain_w0", "resnet18_vs_plain_w4"} <= set(by_name)
+    # the loader-workers diagnosis: the slow run (one thread) beside 4 threads, no pinning and no workers
+    assert by_name["w4_omp1"][0] == "OMP_NUM_THREADS=1" and by_name["w4_omp4"][0] == "OMP_NUM_THREADS=4"
+    assert "data.pin_memory=false" in by_name["w4_omp1_nopin"] and "data.num_workers=0" in by_name["w0_omp1"]
     resnet50 = by_name["resnet50_224_bf16_cl"]
     for key in ("model.arch=resnet50", "data.image_size=224", "train.amp=bf16", "model.channels_last=true"):
         assert key in resnet50
