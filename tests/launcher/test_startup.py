@@ -114,13 +114,14 @@ def test_the_first_metrics_line_says_how_long_the_first_step_took(tmp_path):
 # Each worker writes what it sees: its environment, argv, blocked signals, exit path.
 _DUMP = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, multiprocessing, os, signal, sys
     def dump(argv):
         path = os.path.join(argv[0], os.environ["RANK"] + ".json")
         with open(path, "w") as fh:
             json.dump({"env": dict(os.environ), "argv": sys.argv[1:],
                        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-                       "unbuffered": type(sys.stdout.buffer).__name__ == "FileIO"}, fh)
+                       "unbuffered": type(sys.stdout.buffer).__name__ == "FileIO",
+                       "start_method": multiprocessing.get_start_method(allow_none=True)}, fh)
         sys.exit(int(argv[1]))
     if __name__ == "__main__":
         dump(sys.argv[1:])
@@ -186,6 +187,9 @@ def test_a_forked_worker_sees_what_a_worker_started_as_a_program_sees(tmp_path):
         assert a["argv"] == [str(tmp_path / "cold"), "0"] and b["argv"] == [str(tmp_path / "warm"), "0"]
         assert b["blocked"] == a["blocked"] == []  # the fork server's held-back signals are given back
         assert b["unbuffered"] and a["unbuffered"]
+        # none chosen yet: the worker's own processes (a DataLoader's workers) are forks of it, not started
+        # through a fork server of their own
+        assert b["start_method"] == a["start_method"] is None
 
 
 @pytest.mark.slow

@@ -116,6 +116,10 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     if not sys.flags.safe_path:
         sys.path[0] = os.getcwd()  # what `python -m` puts first
     signal.pthread_sigmask(signal.SIG_UNBLOCK, warm_server.HELD)
+    # A fork of the fork server has multiprocessing's start method set to "forkserver": the worker's own
+    # processes (a DataLoader's workers) would start from a new fork server of their own, each importing torch
+    # again, and hand every batch over through it. A worker started as a program has none set yet.
+    multiprocessing.set_start_method(None, force=True)
     code: Any = 0
     try:
         fn(argv)
