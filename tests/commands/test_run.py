@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -34,7 +35,6 @@ def probe(tmp_path: Path) -> Path:
 
 
 def records(stdout: str) -> list[dict]:
-    import json
 
     return sorted(
         (json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["RANK"]
@@ -107,6 +107,66 @@ def test_workers_get_ranks_and_the_scripts_exit_code_passes_through(tmp_path, la
     recs = records(proc.stdout)
     assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in recs] == [("0", "0", "2"), ("1", "1", "2")]
     assert {r["MASTER_PORT"] for r in recs} == {recs[0]["MASTER_PORT"]} and recs[0]["argv"] == ["x"]
+
+
+WORKER_PROBE = """\
+import json, multiprocessing, os, signal, sys
+import torch
+with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "w") as fh:
+    json.dump({"env": dict(os.environ), "argv": sys.argv, "name": __name__, "file": __file__,
+               "main": sys.modules["__main__"].__file__, "path": sys.path,
+               "start_method": multiprocessing.get_start_method(allow_none=True),
+               "threads": torch.get_num_threads(), "cli": "ddpkit.cli" in sys.modules,
+               "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+               "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read()}, fh)
+sys.exit(4)
+"""
+PER_LAUNCH = {
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "DDPKIT_START_TIME",
+    "DDPKIT_JOB_DIR",
+}
+
+
+@pytest.mark.slow
+def test_a_script_worker_forked_warm_sees_what_one_started_as_a_program_sees(tmp_path):
+    # `ddpkit run`'s workers are forks of a fork server that imported torch (launcher/warm_start.py); a
+    # worker started as `python -u SCRIPT` (DDPKIT_WARM_START=0) is the reference: the same environment,
+    # argv, __main__, sys.path, start method, threads, signal mask and exit status, and nothing of ddpkit's
+    # command line imported that the script did not import.
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = tmp_path / "sub" / "worker_probe.py"
+    script.parent.mkdir()
+    script.write_text(WORKER_PROBE)
+
+    def launch(warm: str) -> tuple[subprocess.CompletedProcess, dict]:
+        out = tmp_path / f"warm{warm}"
+        out.mkdir()
+        env = {"DDPKIT_WARM_START": warm, "PROBE_DIR": str(out)}
+        proc = run_cli("run", "--nproc-per-node", "2", str(script), "a", "--b", env=env, cwd=tmp_path)
+        return proc, {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        (cold_proc, cold), (warm_proc, warm) = pool.map(launch, ["0", "1"])
+    assert cold_proc.returncode == warm_proc.returncode == 4, (
+        cold_proc.stderr[-2000:],
+        warm_proc.stderr[-2000:],
+    )
+    assert sorted(cold) == sorted(warm) == [0, 1]
+    for rank in (0, 1):
+        a, b = cold[rank], warm[rank]
+        ignored = PER_LAUNCH | {"DDPKIT_WARM_START", "PROBE_DIR"}
+        assert {k: v for k, v in a.pop("env").items() if k not in ignored} == {
+            k: v for k, v in b.pop("env").items() if k not in ignored
+        }
+        assert (a.pop("forked"), b.pop("forked")) == (False, True)  # started as a program / forked warm
+        assert a == b
+        assert b["argv"] == [str(script), "a", "--b"] and b["name"] == "__main__" == b["name"]
+        assert b["file"] == b["main"] == str(script) and b["path"][0] == str(script.parent)
+        assert b["start_method"] is None and b["blocked"] == [] and not b["cli"]
 
 
 FIRST_FAILS = """\

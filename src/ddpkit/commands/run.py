@@ -23,6 +23,12 @@ from collections.abc import Sequence
 from ddpkit.atomicio import NotRegularFile, check_regular
 from ddpkit.distributed import local_rank
 from ddpkit.errors import Preempted, UserError, WorkerFailure
+from ddpkit.launcher import warm_start
+from ddpkit.launcher.usermain import warm_script
+
+# What a script's worker has imported when it is forked (launcher/warm_start.py): torch, and what runs the
+# script; nothing of ddpkit's that the script would not import itself.
+SCRIPT_WORKER = ["torch", "torch.distributed.elastic.multiprocessing.api", "ddpkit.launcher.usermain"]
 
 USAGE = (
     "ddpkit run [launch flags] SCRIPT.py [script args ...]  |  ddpkit run [launch flags] -m MODULE [args ...]"
@@ -106,6 +112,18 @@ def _exec(target: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", "-m", usermain.__name__, *target])
 
 
+def _start_warm(spec) -> bool:
+    """Start the fork server that imports torch for the script's workers while this launcher imports it for
+    the agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
+    program of the user's own that calls ddpkit's command line)."""
+    from ddpkit.launcher.launch import set_thread_env
+
+    if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
+        return False
+    set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
+    return warm_start.start(SCRIPT_WORKER)
+
+
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
     from ddpkit.launcher.elastic import launch_elastic
@@ -125,17 +143,18 @@ def run_command(argv: Sequence[str]) -> int:
     local_rank.arrange(args.pass_local_rank, target)
     if not spec.starts_workers:
         _exec(target)
+    warm = _start_warm(spec)
     import torch
 
     from ddpkit.distributed.runtime import check_cpu_processes
 
-    if not torch.cuda.is_available():
-        check_cpu_processes(spec.nproc_per_node or 1)
     try:
+        if not torch.cuda.is_available():
+            check_cpu_processes(spec.nproc_per_node or 1)
         if spec.launcher == "spawn":
             launch_spawn(spec, target, run_spawned, script=True)
         else:
-            launch_elastic(spec, ["-u", *target], script=True)
+            launch_elastic(spec, ["-u", *target], warm=(warm_script, target) if warm else None, script=True)
     except Preempted as e:
         if e.signum is not None:  # this launcher was signalled: the script's workers were stopped
             return 128 + e.signum
@@ -144,4 +163,6 @@ def run_command(argv: Sequence[str]) -> int:
         prefix = "ddpkit: error: " if e.exit_code == UserError.exit_code else "ddpkit: "
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return e.exit_code
+    finally:
+        warm_start.stop()
     return 0

@@ -24,6 +24,7 @@ import sys
 import time
 
 from ddpkit.distributed import group_check
+from ddpkit.launcher import warm_start
 
 
 def run_python(target: list[str]) -> int:
@@ -67,7 +68,9 @@ def run_released(target: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         gc.collect()  # the script's objects in reference cycles (its functions' globals) go now, too
-        if "torch.distributed" in sys.modules:  # no gloo threads without it (and no torch import to pay for)
+        # no gloo threads without torch.distributed (and no torch import to pay for); a forked worker ends with
+        # os._exit, without the interpreter's finalization that the wait is for
+        if "torch.distributed" in sys.modules and not warm_start.ends_without_finalization():
             from ddpkit.distributed.runtime import EXIT_DRAIN_S
 
             time.sleep(EXIT_DRAIN_S)
@@ -121,6 +124,12 @@ def main(argv: list[str]) -> int:
         return run_released(argv)
     except Exception as e:
         return _report(e)
+
+
+def warm_script(target: list[str]) -> None:
+    """main() in a worker forked from the launcher's fork server (warm_start.worker runs it): its status is the
+    process's."""
+    sys.exit(main(target))
 
 
 if __name__ == "__main__":
