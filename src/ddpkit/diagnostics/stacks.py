@@ -87,6 +87,7 @@ def arm() -> None:
             )
             out = os.fdopen(fd, "w")
             Path(job, f"rank{rank}.pid").write_text(f"{os.getpid()} {identity(os.getpid())}")
+            Path(job, f"rank{rank}.ended").unlink(missing_ok=True)  # this rank's worker of an earlier round
             _ARMED.update(job=job, rank=rank, file=out)
             from ddpkit.diagnostics import warn_once
 
@@ -95,6 +96,16 @@ def arm() -> None:
             out = sys.stderr
     with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # no usable stderr: no dump
         faulthandler.register(SIGNAL, file=out, all_threads=True)
+
+
+def mark_ended() -> None:
+    """In a worker whose process outlives its work: a fork of the warm fork server (torch's elastic function
+    entry point) waits there until every worker of its node is done. The launcher's straggler watch counts
+    this rank as ended from now on, as it would a worker process that exited."""
+    job, rank = _ARMED.get("job"), _ARMED.get("rank")
+    if job:
+        with contextlib.suppress(OSError):
+            Path(str(job), f"rank{rank}.ended").touch()
 
 
 def say_error(line: str) -> bool:
@@ -171,7 +182,11 @@ def registered(job: Path) -> dict[int, int]:
 def live(job: Path) -> dict[int, int]:
     """{rank: pid} of the workers of job folder `job` that still run, each proven to be that worker (only
     these are ever signalled)."""
-    return {r: pid for r in registered(job) if (pid := proven(job / f"rank{r}.pid")) is not None}
+    return {
+        r: pid
+        for r in registered(job)
+        if not (job / f"rank{r}.ended").exists() and (pid := proven(job / f"rank{r}.pid")) is not None
+    }
 
 
 def launcher_alive(job: Path) -> bool:

@@ -24,6 +24,7 @@ from multiprocessing import forkserver
 from typing import Any
 
 from ddpkit import channels
+from ddpkit.diagnostics import stacks
 from ddpkit.launcher import signals
 
 # What every worker of a launch imports, whatever its command; a command module's preload(cfg) adds its own
@@ -129,6 +130,7 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
         sys.excepthook(*sys.exc_info())
         code = 1
     exit_steps()  # the worker ends with os._exit
+    stacks.mark_ended()  # but only once every worker of this node is done (torch's function entry point)
     if code:
         raise SystemExit(code)
 
