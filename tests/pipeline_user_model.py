@@ -99,11 +99,23 @@ def piped(pp: int, schedule: str) -> dict:
         opt.step()
         opt.zero_grad()
     state = model.full_state()
+    assert model.eval() is model and not model.training  # as nn.Module's, before the validation
+    modes = {"eval": _modes(model)}
+    val_loss = model.evaluate(val)
+    modes["evaluated"] = _modes(model)  # evaluate() leaves the mode it was given
+    model.train()
+    modes["train"] = _modes(model)
     return {
         "state": {k: v.numpy() for k, v in state.items()} if state is not None else None,
-        "val_loss": model.evaluate(val),
+        "val_loss": val_loss,
         "losses": losses,
+        "modes": modes,
     }
+
+
+def _modes(model) -> list[bool]:
+    """The training flag of every module of the user's model and of the stages this rank runs."""
+    return [m.training for top in (model.model, *model.runner.stages) for m in top.modules()]
 
 
 # ---- a small convolutional net computing in channels_last (no BatchNorm: micro-batches leave the math alone)

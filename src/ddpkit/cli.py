@@ -102,11 +102,11 @@ def preflight(command: Command, cfg, env) -> None:
     """Every check that can fail before a worker starts or a file is written."""
     from ddpkit.distributed.runtime import resolve_device_backend
 
-    resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
+    backend, _ = resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
     from ddpkit.parallel.mesh import check_config, layout_of
 
     if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
-        check_config(cfg, env.world_size, env.local_world_size)
+        check_config(cfg, env.world_size, env.local_world_size, backend)
     else:
         layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
     check = getattr(command.module, "preflight", None)

@@ -152,6 +152,9 @@ def test_prepare_pp2_on_a_users_model_equals_its_single_process_run(user_referen
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches the first stage too
     # the unported script's batches, in its order: the same loss at every step
     assert ranks[0]["losses"] == pytest.approx(user_reference["losses"], rel=1e-5)
+    for r in ranks:  # model.eval() before the validation and model.train() after reach every stage module
+        assert r["modes"]["eval"] == r["modes"]["evaluated"] == [False] * len(r["modes"]["train"])
+        assert r["modes"]["train"] == [True] * len(r["modes"]["train"]) and len(r["modes"]["train"]) > 5
 
 
 @pytest.mark.slow

@@ -41,7 +41,6 @@ TWO = ["--nproc-per-node", "2"]
             "3 process(es) cannot be split into dist.tp=2 x dist.pp=1",
         ),
         ([*GPT, "model.n_head=2", "model.n_embd=30", "dist.tp=4", "--nproc-per-node", "4"], "model.n_head=2"),
-        ([*GPT, "data.block_size=15", "dist.tp=2", *TWO], "data.block_size=15 cannot be split"),
         (["dist.tp=2", *TWO], "model.arch=cnn has none"),
         ([*GPT, "dist.tp=2", "dist.strategy=ddp", *TWO], "dist.strategy=ddp cannot run over tensor-parallel"),
         (
@@ -63,6 +62,25 @@ def test_layouts_that_cannot_work_are_one_line_before_any_worker_starts(tmp_path
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("ddpkit: error: "), err
     assert fragment in err
     assert not out.exists()
+
+
+def test_the_context_must_divide_over_tp_only_where_sequence_parallelism_splits_it():
+    """Over gloo (and on a pipeline stage) the plan keeps the sequence whole, so any data.block_size runs; over
+    NCCL on a whole model sequence parallelism splits it over the tensor ranks: one line before workers start."""
+    from ddpkit.config import load_config
+    from ddpkit.parallel.mesh import check_config
+
+    odd = [*GPT, "data.block_size=15", "dist.tp=2"]
+    for backend in ("gloo", None):  # None: no process group (ddpkit.prepare, an in-process check)
+        assert check_config(load_config(None, odd), 2, backend=backend).tp == 2
+    assert check_config(load_config(None, [*odd, "dist.pp=2"]), 4, backend="nccl").pp == 2
+    with pytest.raises(UserError) as e:
+        check_config(load_config(None, odd), 2, backend="nccl")
+    assert e.value.line() == (
+        "data.block_size=15 cannot be split over dist.tp=2 ranks (it must be a multiple of 2) "
+        "(use a data.block_size that is a multiple of 2, or another dist.tp)"
+    )
+    assert check_config(load_config(None, [*GPT, "dist.tp=2"]), 2, backend="nccl").tp == 2
 
 
 def test_a_layout_error_is_one_line_from_the_command_line(tmp_path):

@@ -48,7 +48,12 @@ class DataConfig:
     pin_memory: bool = opt(
         True, "page-locked loader batches for faster copies to the GPU (used only with CUDA)"
     )
-    block_size: int = opt(128, "text, tokens: tokens of context per sample", gt=1)
+    block_size: int = opt(
+        128,
+        "text, tokens: tokens of context per sample; a multiple of dist.tp where sequence parallelism splits it "
+        "(NCCL, no pipeline)",
+        gt=1,
+    )
     tokenizer: Literal["char", "bpe"] = opt(
         "char",
         "text: char (every distinct character one token) or bpe (a byte-level BPE of data.vocab_size tokens "

@@ -10,9 +10,9 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "DataSpec": "registry",
-    "DatasetEntry": "registry",
-    "Splits": "registry",
+    "DataSpec": "entry",
+    "DatasetEntry": "entry",
+    "Splits": "entry",
     "build_datasets": "registry",
     "check_available": "registry",
     "dataset_names": "registry",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
+from ddpkit.data.entry import DatasetEntry, Splits
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -87,5 +87,6 @@ def _synthetic(cfg: Config) -> Splits:
     return Splits(train, val, num_classes=k, in_channels=3, image_size=size)
 
 
-DIGITS = register_dataset(DatasetEntry("digits", _digits, label="digits", check=_check_digits))
-SYNTHETIC = register_dataset(DatasetEntry("synthetic", _synthetic, label="synthetic"))
+DIGITS = DatasetEntry("digits", _digits, label="digits", check=_check_digits)
+SYNTHETIC = DatasetEntry("synthetic", _synthetic, label="synthetic")
+ENTRIES = (DIGITS, SYNTHETIC)  # registered by data/registry.py

@@ -1,18 +1,19 @@
 """The data set registry: one entry per data set (name, label, on-disk layout, availability check, builder).
 
-Adding a data set is one `DatasetEntry` passed to `register_dataset`, from inside ddpkit or from a package of
-your own (an entry point in the `ddpkit.datasets` group, loaded when its name is first asked for). Importing the
-registry imports no torch, so the config can check a data set's name cheaply.
+Adding a data set is one `DatasetEntry` (entry.py) passed to `register_dataset`, from a package of your own (or an
+entry point in the `ddpkit.datasets` group, loaded when its name is first asked for), or one more entry in the
+`ENTRIES` of a built-in module, loaded when the registry is first used (`_builtin_entries`; the built-in modules
+import no registry). Importing the registry imports no torch, so the config can check a data set's name
+cheaply.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.declared import check_with
+from ddpkit.data.entry import DatasetEntry, DataSpec, Splits
 from ddpkit.errors import UserError, first_line
 from ddpkit.registry import Registry
 
@@ -22,64 +23,29 @@ if TYPE_CHECKING:
     from ddpkit.config import Config
 
 ENTRY_POINT_GROUP = "ddpkit.datasets"
+__all__ = [
+    "DataSpec",
+    "DatasetEntry",
+    "Splits",
+    "build_datasets",
+    "check_available",
+    "dataset_names",
+    "get_dataset",
+    "register_dataset",
+]
 
 
-@dataclass(frozen=True)
-class DataSpec:
-    """What the model needs to know about the data: classes, channels, image side, split sizes; for token data
-    (a language model's) the vocabulary size and the tokens per sample."""
+def _builtin_entries() -> list[DatasetEntry]:
+    """The built-in entries, in the order their names are listed; their modules are imported when the registry is
+    first used, not with it (a config that names a registered data set loads none of them)."""
+    from ddpkit.data import builtin, text, vision
+    from ddpkit.data.text import tokens
 
-    num_classes: int
-    in_channels: int
-    image_size: int
-    train_size: int
-    val_size: int
-    vocab_size: int | None = None
-    block_size: int | None = None
-    tokenizer: str | None = (
-        None  # token data: its tokenizer's JSON text (Hugging Face tokenizers), when known
-    )
-
-    @property
-    def tokens(self) -> bool:
-        """Token sequences (a language model's data), not labelled images."""
-        return self.vocab_size is not None
-
-
-@dataclass(frozen=True)
-class Splits:
-    """What a builder returns: the train set (augmented when cfg.data.augment), the val set, and their shape."""
-
-    train: Dataset
-    val: Dataset
-    num_classes: int
-    in_channels: int
-    image_size: int
-    vocab_size: int | None = None  # token data: samples are (ids, next ids) of length data.block_size
-    tokenizer: str | None = None  # token data: the tokenizer's JSON text, saved as out_dir/tokenizer.json
-
-
-@dataclass(frozen=True)
-class DatasetEntry:
-    """One data set: `build(cfg) -> Splits`; `check(cfg)` looks at files only and raises UserError."""
-
-    name: str
-    build: Callable[[Config], Splits]
-    label: str = ""
-    layout: str = ""  # the on-disk layout under data.root, shown in error messages
-    check: Callable[[Config], None] | None = None
-    missing: Callable[[str], list[str]] | None = None  # files missing under a root (for download messages)
-    downloads: bool = False  # data.download applies: rank 0 downloads while the others wait
-    tokens: bool = False  # samples are token sequences for a language model (model.arch=gpt), not images
-    order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
-
-    @property
-    def title(self) -> str:
-        return self.label or self.name
+    return [*builtin.ENTRIES, *text.ENTRIES, *vision.ENTRIES, *tokens.ENTRIES]
 
 
 _REGISTRY: Registry[DatasetEntry] = Registry(
-    "data set", ENTRY_POINT_GROUP, DatasetEntry, "ddpkit.data.DatasetEntry"
+    "data set", ENTRY_POINT_GROUP, DatasetEntry, "ddpkit.data.DatasetEntry", builtins=_builtin_entries
 )
 
 
@@ -88,20 +54,13 @@ def register_dataset(entry: DatasetEntry, *, replace: bool = False) -> DatasetEn
     return _REGISTRY.register(entry, replace=replace)
 
 
-def _load_builtin() -> None:
-    from ddpkit.data import builtin, text, vision  # noqa: F401  (their entries register themselves)
-    from ddpkit.data.text import tokens  # noqa: F401
-
-
 def dataset_names() -> list[str]:
     """Every registered data set name (built-in ones first)."""
-    _load_builtin()
     return list(_REGISTRY)
 
 
 def get_dataset(name: str) -> DatasetEntry:
     """The entry for data.dataset `name`; UserError naming the valid ones when there is none."""
-    _load_builtin()
     entry = _REGISTRY.find(name)
     if entry is None:
         import difflib

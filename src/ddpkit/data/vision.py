@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
+from ddpkit.data.entry import DatasetEntry, Splits
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def _imagefolder(cfg: Config) -> Splits:
 
 
 _ENTRIES = {
-    e.name: register_dataset(e)
+    e.name: e
     for e in (
         DatasetEntry(
             "cifar10",
@@ -245,3 +245,4 @@ _ENTRIES = {
         ),
     )
 }
+ENTRIES = tuple(_ENTRIES.values())  # registered by data/registry.py

@@ -40,7 +40,8 @@ def block_ranges(n_layer: int, n_stages: int) -> list[range]:
 @dataclass(frozen=True)
 class BlockStack:
     """A model of `blocks` (a ModuleDict keyed "0", "1", ...) between `first` parts and `last` parts, whose block
-    projections split `column`- and `row`-wise, and whose config sizes `tp_keys` must divide over dist.tp."""
+    projections split `column`- and `row`-wise, and whose config sizes `tp_keys` must divide over dist.tp (and
+    `sp_keys` too where sequence parallelism splits the sequence)."""
 
     column: tuple[str, ...]  # projections of a block, column-parallel
     row: tuple[str, ...]  # projections of a block, row-parallel
@@ -48,7 +49,8 @@ class BlockStack:
     last: tuple[str, ...] = ("ln_f", "head")
     norms: tuple[str, ...] = ("ln1", "ln2")  # a block's norms (sequence-parallel)
     entry: str = "drop"  # the module the embeddings' output enters (where the sequence is split)
-    tp_keys: tuple[str, ...] = ("model.n_head", "model.n_embd", "data.block_size")
+    tp_keys: tuple[str, ...] = ("model.n_head", "model.n_embd")
+    sp_keys: tuple[str, ...] = ("data.block_size",)  # the sequence, split by sequence parallelism only
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The blocks activation checkpointing re-computes."""
@@ -70,13 +72,11 @@ class BlockStack:
 
     def sizes(self, cfg: Any) -> list[tuple[str, int]]:
         """(key, value) of each config size that must be a multiple of dist.tp."""
-        out = []
-        for key in self.tp_keys:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name, None)
-            if value is not None:
-                out.append((key, value))
-        return out
+        return _values(cfg, self.tp_keys)
+
+    def sp_sizes(self, cfg: Any) -> list[tuple[str, int]]:
+        """(key, value) of each config size that must be a multiple of dist.tp where the sequence is split."""
+        return _values(cfg, self.sp_keys)
 
     def plan(self, model: nn.Module, tp: int) -> dict[str, Any]:
         """The parallelize_module plan of `model` or of a pipeline stage of it over `tp` ranks (its heads and
@@ -125,10 +125,22 @@ class BlockStack:
         return {
             "tp_plan": self.plan,
             "tp_sizes": self.sizes,
+            "sp_sizes": self.sp_sizes,
             "pp_stage": self.stage,
             "pp_check": self.check,
             "checkpointed": self.blocks,
         }
+
+
+def _values(cfg: Any, keys: Sequence[str]) -> list[tuple[str, int]]:
+    """(key, value) of each dotted `keys` set in cfg."""
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name, None)
+        if value is not None:
+            out.append((key, value))
+    return out
 
 
 def sequence_parallel_pays(backend: str | None = None) -> bool:

@@ -56,6 +56,9 @@ class ModelFamily:
     tp_sizes: Callable[[Any], list[tuple[str, int]]] = (
         lambda cfg: []
     )  # (config key, value): multiples of dist.tp
+    # (config key, value): multiples of dist.tp where sequence parallelism splits the sequence (the whole model's
+    # plan over NCCL, models.blocks.sequence_parallel_pays; not a pipeline stage's)
+    sp_sizes: Callable[[Any], list[tuple[str, int]]] = lambda cfg: []
     # a pipeline cut by deleting parts: (model, stage, n_stages) -> the stage, in place, full names kept
     pp_stage: Callable[[nn.Module, int, int], nn.Module] | None = None
     # or cut by torch's tracer: (arch, n_stages) -> the modules where stages 1.. begin (a UserError when none)

@@ -268,7 +268,7 @@ def llama_config(m: Llama) -> dict[str, Any]:
 STACK = BlockStack(
     column=("attn.wq", "attn.wk", "attn.wv", "mlp.gate", "mlp.up"),
     row=("attn.wo", "mlp.down"),
-    tp_keys=("model.n_head", "model.n_embd", "data.block_size", "model.n_kv_head"),
+    tp_keys=("model.n_head", "model.n_embd", "model.n_kv_head"),
 )
 
 

@@ -88,7 +88,7 @@ def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
     pipeline builds its own mesh)."""
     import torch.distributed as dist
 
-    layout = check_config(cfg, ctx.world_size, ctx.env.local_world_size)
+    layout = check_config(cfg, ctx.world_size, ctx.env.local_world_size, ctx.backend)
     split = (layout.tp > 1 or layout.dp_shard is not None) and layout.pp == 1  # HSDP shards over the mesh too
     return layout, build_mesh(layout, ctx.device.type) if split and dist.is_initialized() else None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpkit.atomicio import NotRegularFile, kind_of, open_regular
-from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
+from ddpkit.data.entry import DatasetEntry, Splits
 from ddpkit.data.text import tokenizer
 from ddpkit.errors import UserError
 
@@ -215,13 +215,7 @@ def _build_bpe(cfg: Config, text: str) -> Splits:
     )
 
 
-TEXT = register_dataset(
-    DatasetEntry(
-        "text",
-        _build,
-        label="text",
-        layout="a UTF-8 text file or a folder of them",
-        check=_check,
-        tokens=True,
-    )
+TEXT = DatasetEntry(
+    "text", _build, label="text", layout="a UTF-8 text file or a folder of them", check=_check, tokens=True
 )
+ENTRIES = (TEXT,)  # registered by data/registry.py

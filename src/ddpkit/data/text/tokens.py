@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddpkit.data.registry import DatasetEntry, Splits, register_dataset
+from ddpkit.data.entry import DatasetEntry, Splits
 from ddpkit.data.text import TextBlocks, tokenizer
 from ddpkit.errors import UserError
 
@@ -134,6 +134,5 @@ class _Ids:
         return torch.from_numpy(np.asarray(self.ids[s], dtype=np.int64))
 
 
-TOKENS = register_dataset(
-    DatasetEntry("tokens", _build, label="tokens", layout=LAYOUT, check=_check, tokens=True)
-)
+TOKENS = DatasetEntry("tokens", _build, label="tokens", layout=LAYOUT, check=_check, tokens=True)
+ENTRIES = (TOKENS,)  # registered by data/registry.py

@@ -178,10 +178,12 @@ def strategy_over_dp(name: str, layout: Layout, offload: str = "none") -> str:
     return resolved
 
 
-def check_model(cfg: Any, layout: Layout) -> None:
-    """The model's family can split it as asked: it declares a tensor-parallel plan (its sizes divisible by tp)
-    and the blocks activation checkpointing re-computes."""
+def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
+    """The model's family can split it as asked: it declares a tensor-parallel plan (its sizes divisible by tp,
+    and the sequence too where sequence parallelism splits it: a whole model over `backend`, see
+    models.blocks.sequence_parallel_pays) and the blocks activation checkpointing re-computes."""
     from ddpkit.models import model_family  # imported here: this module imports no torch
+    from ddpkit.models.blocks import sequence_parallel_pays
 
     m, tp = cfg.model, layout.tp
     family = model_family(m.arch)
@@ -191,7 +193,10 @@ def check_model(cfg: Any, layout: Layout) -> None:
             "pick a model.arch whose family declares one (ModelFamily.tp_plan), or "
             "ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
         )
-    for key, value in family.tp_sizes(cfg) if tp > 1 else ():
+    sizes = family.tp_sizes(cfg) if tp > 1 else []
+    if tp > 1 and layout.pp == 1 and sequence_parallel_pays(backend):
+        sizes += family.sp_sizes(cfg)
+    for key, value in sizes:
         if value % tp:
             raise UserError(
                 f"{key}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
@@ -233,12 +238,15 @@ def pipeline_strategy(name: str, layout: Layout) -> str:
     return name
 
 
-def check_config(cfg: Any, world_size: int, per_node: int | None = None) -> Layout:
+def check_config(
+    cfg: Any, world_size: int, per_node: int | None = None, backend: str | None = None
+) -> Layout:
     """Every layout check of a config for `world_size` ranks (`per_node` of them on each node: HSDP's default
-    sharding group), before any worker starts; returns the Layout (with HSDP's dp_shard resolved)."""
+    sharding group) talking over `backend` (None: the initialised process group's, or none), before any worker
+    starts; returns the Layout (with HSDP's dp_shard resolved)."""
     d = cfg.dist
     layout = layout_of(world_size, d.tp, d.pp, d.dp_shard)
-    check_model(cfg, layout)
+    check_model(cfg, layout, backend)
     if layout.pp == 1:
         name = strategy_over_dp(d.strategy, layout, d.offload)
     else:  # parallel/pipeline/plan.py checks the rest

@@ -7,6 +7,7 @@
         loss = model.step(x, y)      # forward and backward of the batch, in micro-batches; its mean loss
         optimizer.step()
         optimizer.zero_grad()
+    model.eval()                            # as an nn.Module's: every stage module's mode (model.train() back)
     val_loss = model.evaluate(val_loader)   # loss_fn's mean over every validation sample, on every rank
     state = model.full_state()              # the whole model's state dict on rank 0 (None elsewhere)
 
@@ -45,7 +46,7 @@ from ddpkit.parallel.pipeline.split import check_split_names, micro_chunks
 
 class PipelineModel:
     """A user's model cut into pipeline stages over `pp` ranks (data-parallel over the rest): step, evaluate,
-    clip_grad_norm, full_state."""
+    clip_grad_norm, full_state, and train/eval as an nn.Module has them."""
 
     def __init__(
         self,
@@ -79,6 +80,24 @@ class PipelineModel:
         self.runner: PipelineRunner | None = None
         self.batch: int | None = None  # the batch size of every step
         self.fixed_batch: int | None = None  # the batch size evaluation feeds the stages (traced ones)
+        self.asked: bool | None = None  # the mode train()/eval() set, given to stages cut later (None: unset)
+
+    @property
+    def training(self) -> bool:
+        return self.model.training if self.asked is None else self.asked
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        """Set training mode (`mode`) or evaluation mode on the model and on every stage module this rank runs,
+        as nn.Module.train does; returns self."""
+        self.asked = mode
+        self.model.train(mode)
+        if self.runner is not None:
+            self.runner.train(mode)
+        return self
+
+    def eval(self) -> PipelineModel:
+        """Evaluation mode (dropout off, batch norm on its running statistics): train(False)."""
+        return self.train(False)
 
     def _built(self, x: torch.Tensor) -> PipelineRunner:
         """The runner, tracing the model on the first micro-batch seen."""
@@ -108,6 +127,8 @@ class PipelineModel:
                 eval_stages=eval_stages,
                 shared=shared,
             )
+            if self.asked is not None:  # else each stage module keeps the mode the model gave it
+                self.runner.train(self.asked)
         return self.runner
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
