@@ -129,13 +129,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     )
 
 
-def run_clis(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+def run_clis(*commands: list[str], timeout: float = 300, cwd=None) -> list[subprocess.CompletedProcess]:
     """Several independent one-process `python -m ddpkit ARGS` commands, two at a time (a process starting up
     keeps one core busy: a 2-core machine runs two in the time of one) -> their CompletedProcess, in order."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda args: run_cli(*args, timeout=timeout), commands))
+        return list(pool.map(lambda args: run_cli(*args, timeout=timeout, cwd=cwd), commands))
 
 
 def plain_torchrun(*args: str, cwd: Path, fresh: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -458,6 +458,22 @@ def dist_context(rank: int, world_size: int):
         rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size, launcher=launcher
     )
     return DistContext(env, "gloo", torch.device("cpu"))
+
+
+def train_here(*overrides: str) -> None:
+    """`ddpkit train OVERRIDES` on one process, in this one: the Trainer that the command runs, with no process
+    to start (a reference run, or the runs a test reads), on one thread as the command's processes (cli_env)."""
+    import torch
+
+    from ddpkit.config import load_config
+    from ddpkit.train.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(load_config(None, list(overrides)), dist_context(0, 1)).fit()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def plain(state: dict) -> dict:

@@ -539,13 +539,13 @@ def test_eval_and_report(runs):
     # runs/demo (as `make demo` writes it) is a copy of runs/a; then the lines themselves, unchanged.
     shutil.copytree(runs / "runs" / "a", runs / "runs" / "demo")
     evaluate, *reports = commands_run_by("test_eval_and_report")
-    scores = json.loads(finish(start(evaluate, cwd=runs))[0].splitlines()[-1])
+    # independent lines (the reports read runs/a and runs/b and write files of their own): all at once
+    outs = finish(*[start(line, cwd=runs) for line in (evaluate, *reports)])
+    scores = json.loads(outs[0].splitlines()[-1])
     trained = json.loads((runs / "runs" / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"val_loss", "val_acc1", "val_acc5", "val_samples"} <= set(scores)  # as cli.md says
     assert (scores["world_size"], scores["val_samples"]) == (2, DIGITS_VAL)  # every sample once
     assert scores["val_acc1"] == pytest.approx(trained["val_acc1"], abs=1e-9)  # the checkpoint's own score
-    for line in reports:
-        finish(start(line, cwd=runs))
     assert "<table" in (runs / "report.html").read_text()
     table = json.loads((runs / "cmp.json").read_text())
     assert len(table["runs"]) == 2, table

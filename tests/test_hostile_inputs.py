@@ -666,8 +666,9 @@ def test_a_user_error_raised_inside_a_script_is_one_line_for_the_job(tmp_path):
         "if os.environ['RANK'] == '1':\n    warnings.warn('rank 1 alone')\n"
         "ddpkit.prepare(torch.nn.Linear(2, 2), tp='2')\n"
     )
-    for launcher in ("torchrun", "spawn"):  # spawn: torch's "Terminating process" warning is not repeated
-        proc = run_cli("run", "--launcher", launcher, "--nproc-per-node", "2", str(script), cwd=tmp_path)
+    launchers = ("torchrun", "spawn")  # spawn: torch's "Terminating process" warning is not repeated
+    jobs = (["run", "--launcher", launcher, "--nproc-per-node", "2", str(script)] for launcher in launchers)
+    for proc in run_clis(*jobs, cwd=tmp_path):  # the two jobs at once
         assert_user_error(proc, "ddpkit.prepare(tp='2'): tp must be a whole number")
         assert "[rank" not in proc.stderr and "Terminating process" not in proc.stderr, proc.stderr
         assert proc.stderr.count("UserWarning: To copy construct from a tensor") == 1, proc.stderr

@@ -48,30 +48,48 @@ def unbroken(tmp_path_factory):
     return final(out)
 
 
+def _kill_a_worker_once(out: Path, target, pick: int) -> tuple[bool, tuple[list[dict], dict]]:
+    """One elastic run of EXACT on 2 workers, one of them SIGKILLed at `target` (see below) -> (whether a worker
+    was really killed, the finished run)."""
+    proc = start(out, *EXACT, "checkpoint.every_steps=5", "--nproc-per-node", "2", "--max-restarts", "3")
+    try:
+        if target == "start":
+            wait_for(lambda: len(workers(proc.pid)) == 2, proc=proc)
+        elif target == "checkpoint":
+            wait_for(lambda: (out / "checkpoints" / "last.pt").exists(), proc=proc)
+        else:
+            wait_for(lambda: len(read_metrics(out)) >= target, proc=proc)
+        victims = sorted(workers(proc.pid))
+        if victims:
+            os.kill(victims[pick % len(victims)], signal.SIGKILL)
+        rc, _, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert rc == 0, f"{out.name}: {err[-3000:]}"
+    return bool(victims), final(out)
+
+
 @pytest.mark.slow
 def test_sigkill_random_worker_then_elastic_restart_equals_unbroken(tmp_path, unbroken):
+    from concurrent.futures import ThreadPoolExecutor
+
     rng = random.Random(1234)
-    survived = 0
-    for trial in range(TRIALS):
-        out = tmp_path / f"trial{trial}"
-        proc = start(out, *EXACT, "checkpoint.every_steps=5", "--nproc-per-node", "2", "--max-restarts", "3")
-        # a random moment, chosen by progress and not by a clock (which a busy machine stretches past the end
-        # of the run): as the workers start (no checkpoint yet), once the first mid-epoch checkpoint (step 5)
-        # is written, or once epoch 1 or 2 of 3 is logged
-        target = rng.choice(["start", "checkpoint", 1, 2])
-        if target == "start":
-            wait_for(lambda p=proc: len(workers(p.pid)) == 2, proc=proc)
-        elif target == "checkpoint":
-            wait_for(lambda o=out: (o / "checkpoints" / "last.pt").exists(), proc=proc)
-        else:
-            wait_for(lambda o=out, t=target: len(read_metrics(o)) >= t, proc=proc)
-        victims = workers(proc.pid)
-        if victims:
-            os.kill(rng.choice(victims), signal.SIGKILL)
-            survived += 1
-        rc, _, err = finish(proc)
-        assert rc == 0, f"trial {trial}: {err[-3000:]}"
-        assert_same_run(unbroken, final(out))
+    # a random moment for each trial, chosen by progress and not by a clock (which a busy machine stretches past
+    # the end of the run): as the workers start (no checkpoint yet), once the first mid-epoch checkpoint
+    # (step 5) is written, or once epoch 1 or 2 of 3 is logged; and which worker
+    trials = [(rng.choice(["start", "checkpoint", 1, 2]), rng.randrange(2)) for _ in range(TRIALS)]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent jobs at a time
+        runs = list(
+            pool.map(lambda t: _kill_a_worker_once(tmp_path / f"trial{t}", *trials[t]), range(TRIALS))
+        )
+    for trial, (_, run) in enumerate(runs):
+        try:
+            assert_same_run(unbroken, run)
+        except AssertionError as e:
+            raise AssertionError(f"trial {trial} ({trials[trial][0]}): {e}") from None
+    survived = sum(killed for killed, _ in runs)
     assert survived >= TRIALS - 1  # nearly every trial really lost a worker
 
 
@@ -133,21 +151,27 @@ def test_sigterm_mid_epoch_checkpoints_this_step_and_resumes_exactly(tmp_path):
         "train.log_every=20",
     ]
     ref = tmp_path / "ref"
-    rc, _, err = finish(start(ref, *args))
-    assert rc == 0, err
-    out = tmp_path / "run"
-    proc = start(out, *args)
-    log = out / "log.txt"
-    wait_for(lambda: log.exists() and "[2/2]" in log.read_text(), proc=proc)  # inside epoch 2 (359 steps)
-    os.kill(proc.pid, signal.SIGTERM)
-    rc, _, err = finish(proc)
-    assert rc == 3, err  # the documented preemption exit code
-    assert "stopped by SIGTERM at step" in err
-    state = load_checkpoint(out / "checkpoints" / "last.pt")
-    assert state["epoch"] == 1 and 0 < state["consumed"] < 1438
-    rc, stdout, err = finish(start(out, *args))
-    assert rc == 0, err
-    assert "samples into epoch 2" in stdout
+    unbroken = start(ref, *args)  # beside the run that is stopped
+    try:
+        out = tmp_path / "run"
+        proc = start(out, *args)
+        log = out / "log.txt"
+        wait_for(lambda: log.exists() and "[2/2]" in log.read_text(), proc=proc)  # inside epoch 2 (359 steps)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc, _, err = finish(proc)
+        assert rc == 3, err  # the documented preemption exit code
+        assert "stopped by SIGTERM at step" in err
+        state = load_checkpoint(out / "checkpoints" / "last.pt")
+        assert state["epoch"] == 1 and 0 < state["consumed"] < 1438
+        rc, stdout, err = finish(start(out, *args))
+        assert rc == 0, err
+        assert "samples into epoch 2" in stdout
+        rc, _, err = finish(unbroken)
+        assert rc == 0, err
+    finally:
+        if unbroken.poll() is None:
+            os.killpg(unbroken.pid, signal.SIGKILL)
+            unbroken.wait()
     assert_same_run(final(ref), final(out))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import stat
 import subprocess
 import sys
@@ -91,14 +92,26 @@ def test_newest_complete_passes_over_a_damaged_last_and_says_so(tmp_path):
     assert CheckpointDir(tmp_path / "nothing").newest_complete() is None
 
 
+# A process that imports torch once and forks one saver per trial (a fork starts in milliseconds, a new process
+# in seconds): each saver writes checkpoints in a loop, printing `PID STEP` after each complete save, until the
+# test SIGKILLs it; the forking process then reaps it and prints `killed`.
 SAVER = r"""
-import sys, torch
+import os, sys, torch
 from ddpkit.checkpoint import save_checkpoint
-path, i = sys.argv[1], int(sys.argv[2])
-while True:
-    i += 1
-    save_checkpoint({"model": {"w": torch.full((1_000_000,), float(i))}, "step": i}, path)
-    print(i, flush=True)
+path = sys.argv[1]
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            i = int(line)
+            while True:
+                i += 1
+                save_checkpoint({"model": {"w": torch.full((1_000_000,), float(i))}, "step": i}, path)
+                print(os.getpid(), i, flush=True)
+        finally:
+            os._exit(1)
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
 """
 
 
@@ -107,18 +120,29 @@ def test_sigkill_during_checkpoint_write_never_leaves_an_unreadable_newest(tmp_p
     path = tmp_path / "checkpoints" / "last.pt"
     rng = random.Random(7)
     seen = 0
-    for _ in range(12):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path), str(seen)], stdout=subprocess.PIPE, env=cli_env()
-        )
-        proc.stdout.readline()  # at least one complete save
-        time.sleep(rng.uniform(0.0, 0.1))
-        proc.kill()
-        proc.wait()
-        state = load_checkpoint(path)  # raises if unreadable
-        assert state["model"]["w"][0].item() == state["step"]
-        assert state["step"] > seen  # the newest complete save, never an older one
-        seen = state["step"]
+    forker = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+    try:
+        for _ in range(12):
+            forker.stdin.write(f"{seen}\n")
+            forker.stdin.flush()
+            saver = int(forker.stdout.readline().split()[0])  # at least one complete save
+            time.sleep(rng.uniform(0.0, 0.1))
+            os.kill(saver, signal.SIGKILL)
+            while forker.stdout.readline().strip() != "killed":  # saves it finished before the kill
+                assert forker.poll() is None, "the forking process ended"
+            state = load_checkpoint(path)  # raises if unreadable
+            assert state["model"]["w"][0].item() == state["step"]
+            assert state["step"] > seen  # the newest complete save, never an older one
+            seen = state["step"]
+    finally:
+        forker.kill()
+        forker.wait()
     # the temporary files of killed saves are swept when the next run takes out_dir over
     CheckpointDir(tmp_path).sweep()
     assert [p.name for p in path.parent.iterdir()] == ["last.pt"]

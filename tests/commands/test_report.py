@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_user_error, cli_env, run_cli
+from conftest import assert_user_error, cli_env, run_cli, train_here
 from ddpkit.cli import main
 from ddpkit.commands import report
 
@@ -34,10 +34,10 @@ def rows(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """One process: 1 epoch, then the same command with train.epochs=2 (resumes after epoch 1)."""
+    """One process: 1 epoch, then the same settings with train.epochs=2 (resumes after epoch 1)."""
     out = tmp_path_factory.mktemp("resumed") / "one"
-    train(out, "train.epochs=1", "train.batch_size=64")
-    train(out, *RUN)
+    train_here(f"out_dir={out}", "train.epochs=1", "train.batch_size=64")
+    train_here(f"out_dir={out}", *RUN)
     assert "resumed from" in (out / "log.txt").read_text()
     return out
 

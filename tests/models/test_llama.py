@@ -1,14 +1,15 @@
 """The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
 attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
 checkpointing, under zero2 x tensor x pipeline parallelism on 8 processes, and tied under FSDP, equal to one
-process. Budget: about 90 s (five `ddpkit train` runs of 6 steps, two on 2 processes, one on 8)."""
+process. Budget: about 90 s (three `ddpkit train` runs of 6 steps, two on 2 processes, one on 8, and the two
+one-process references in this process, each beside a run on 2 processes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import GPT_RUN, assert_user_error, cli_in_process, gpt_train
+from conftest import GPT_GLOBAL_BATCH, GPT_RUN, assert_user_error, cli_in_process, gpt_train, train_here
 from ddpkit.errors import UserError
 
 transformers = pytest.importorskip("transformers")
@@ -66,12 +67,25 @@ def _assert_close(got: dict, want: dict) -> None:
         assert (got[k] - want[k]).abs().max().item() <= 1e-4 * scale, k
 
 
+def _reference_beside(text, args: list[str], one, many, nproc: int, *more: str, dp: int | None = None):
+    """The one-process run of GPT_RUN + `args` in this process (the Trainer that `ddpkit train` runs, without
+    starting a process) into `one`, while `ddpkit train` of the same + `more` on `nproc` processes runs beside
+    it into `many`; -> that run's CompletedProcess."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        beside = pool.submit(gpt_train, many, text, nproc, *args, *more, dp=dp)
+        train_here(
+            *GPT_RUN, f"out_dir={one}", f"data.root={text}", f"train.batch_size={GPT_GLOBAL_BATCH}", *args
+        )
+        return beside.result()
+
+
 @pytest.mark.slow
 def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
     # the head shares the token embedding: FSDP keeps the shared weight in the root's shard group, once
     tied = [*LLAMA[len(GPT_RUN) :], "model.tie_embeddings=true", "train.max_steps=6"]
-    gpt_train(tmp_path / "one", gpt_text, 1, *tied)
-    gpt_train(tmp_path / "fsdp", gpt_text, 2, *tied, "dist.strategy=fsdp")
+    _reference_beside(gpt_text, tied, tmp_path / "one", tmp_path / "fsdp", 2, "dist.strategy=fsdp")
     one, fsdp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "fsdp")
     _assert_close(fsdp, one)
     assert torch.equal(fsdp["head.weight"], fsdp["tok_emb.weight"])
@@ -83,10 +97,9 @@ def test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_
 ):
     from ddpkit.checkpoint import load_checkpoint
 
-    gpt_train(tmp_path / "one", gpt_text, 1, *LLAMA[len(GPT_RUN) :], "train.max_steps=6")
-    gpt_train(
-        tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2",
-        "model.activation_checkpointing=full", dp=1,
+    _reference_beside(
+        gpt_text, [*LLAMA[len(GPT_RUN) :], "train.max_steps=6"], tmp_path / "one", tmp_path / "tp", 2,
+        "dist.tp=2", "model.activation_checkpointing=full", dp=1,
     )  # fmt: skip
     # its family's pipeline cut (at its blocks, models/blocks.py) and tensor plan on the 3-D layout: zero2 over
     # dp=2 x tp=2 x pp=2 on 8 processes

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GPT_RUN, dist_context, gpt_train, plain, run_group
+from conftest import GPT_RUN, dist_context, gpt_train, plain, run_group, train_here
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.checkpoint.sharded import read_model
 from ddpkit.config import load_config
@@ -40,11 +40,10 @@ CLIP = ["train.clip_grad_norm=0.2"]
 @pytest.fixture(scope="module")
 def reference(gpt_reference, gpt_text, tmp_path_factory) -> dict[str, torch.Tensor]:
     """The one-process run with CLIP, in this process; its weights differ from the unclipped session run's."""
-    from ddpkit.train.trainer import Trainer
-
     out = tmp_path_factory.mktemp("clipped") / "run"
-    run = [f"out_dir={out}", f"data.root={gpt_text}", "train.batch_size=8", "train.max_steps=6", *CLIP]
-    Trainer(load_config(None, [*GPT_RUN, *run]), dist_context(0, 1)).fit()
+    train_here(
+        *GPT_RUN, f"out_dir={out}", f"data.root={gpt_text}", "train.batch_size=8", "train.max_steps=6", *CLIP
+    )
     weights = _weights(out)
     with pytest.raises(AssertionError):  # the clip changed the steps
         _assert_close(weights, gpt_reference[0])

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_clis
 from ddpkit.config import load_config
 from ddpkit.distributed.runtime import current
 from ddpkit.errors import UserError
@@ -170,10 +170,11 @@ def test_a_powersgd_run_resumed_mid_epoch_continues_with_its_saved_state(tmp_pat
         "optim.schedule=constant",
         "report.curves=false",
     ]  # constant: max_steps must not reshape the lr
-    assert run_cli("train", *common, "train.max_steps=34", f"out_dir={tmp_path / 'unbroken'}").returncode == 0
-    first = run_cli(
-        "train", *common, "train.max_steps=30", f"out_dir={tmp_path / 'resumed'}"
-    )  # inside epoch 2
+    unbroken, first = run_clis(  # two independent runs at once
+        ["train", *common, "train.max_steps=34", f"out_dir={tmp_path / 'unbroken'}"],
+        ["train", *common, "train.max_steps=30", f"out_dir={tmp_path / 'resumed'}"],  # inside epoch 2
+    )
+    assert unbroken.returncode == 0, unbroken.stderr[-2000:]
     assert first.returncode == 0, first.stderr[-2000:]
     last = tmp_path / "resumed" / "checkpoints" / "last.pt"
     state = torch.load(last, weights_only=True)
@@ -181,8 +182,11 @@ def test_a_powersgd_run_resumed_mid_epoch_continues_with_its_saved_state(tmp_pat
     shutil.copytree(tmp_path / "resumed", tmp_path / "forgotten")
     del state["comm_hook"]  # the same checkpoint without PowerSGD's state
     torch.save(state, tmp_path / "forgotten" / "checkpoints" / "last.pt")
-    for run in ("resumed", "forgotten"):
-        assert run_cli("train", *common, "train.max_steps=34", f"out_dir={tmp_path / run}").returncode == 0
+    runs = ("resumed", "forgotten")
+    for proc in run_clis(
+        *(["train", *common, "train.max_steps=34", f"out_dir={tmp_path / run}"] for run in runs)
+    ):
+        assert proc.returncode == 0, proc.stderr[-2000:]
 
     def gap(run: str) -> float:
         a = torch.load(tmp_path / "unbroken" / "checkpoints" / "last.pt", weights_only=True)["model"]

@@ -13,12 +13,23 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, cli_env, dist_context, plain, run_cli, run_clis, run_group
+from conftest import (
+    REPO,
+    assert_user_error,
+    cli_env,
+    dist_context,
+    plain,
+    run_cli,
+    run_clis,
+    run_group,
+    train_here,
+)
 from ddpkit.config import Config, load_config
 from ddpkit.train.health import Heartbeat
 from ddpkit.train.metrics import METRIC_KEYS, read_metrics
@@ -55,17 +66,17 @@ def train(out_dir, *args, timeout=300):
 def test_world_size_and_accumulation_equivalence(tmp_path):
     # 2 processes x batch B == 1 process x 2B == 2 processes x B/2 with 2 accumulation steps.
     steps = ["train.max_steps=12", "train.epochs=1"]
-    train(tmp_path / "one", *EXACT, *steps, "train.batch_size=32")
-    train(tmp_path / "two", *EXACT, *steps, "train.batch_size=16", "--nproc-per-node", "2")
-    train(
-        tmp_path / "acc",
-        *EXACT,
-        *steps,
-        "train.batch_size=8",
-        "train.grad_accum_steps=2",
-        "--nproc-per-node",
-        "2",
-    )
+    runs = {
+        "two": ["train.batch_size=16", "--nproc-per-node", "2"],
+        "acc": ["train.batch_size=8", "train.grad_accum_steps=2", "--nproc-per-node", "2"],
+    }
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the launches, while this process makes the reference
+        procs = pool.submit(
+            run_clis, *(["train", f"out_dir={tmp_path / n}", *EXACT, *steps, *a] for n, a in runs.items())
+        )
+        train_here(f"out_dir={tmp_path / 'one'}", *EXACT, *steps, "train.batch_size=32")
+        for proc in procs.result():
+            assert proc.returncode == 0, proc.stderr[-3000:]
     one, two, acc = (weights(tmp_path / n) for n in ("one", "two", "acc"))
     assert_same_weights(one, two)
     assert_same_weights(one, acc)
@@ -88,9 +99,8 @@ def one_epoch(tmp_path_factory) -> tuple[Path, str]:
 def test_exact_evaluation_on_1_to_4_processes(one_epoch):
     run, ckpt = one_epoch[0], one_epoch[0] / "checkpoints" / "best.pt"
     results = []
-    for n in (1, 2, 3, 4):
-        launch = ["--nproc-per-node", str(n)] if n > 1 else []
-        proc = run_cli("eval", f"checkpoint.path={ckpt}", *launch, timeout=300)
+    launches = (["--nproc-per-node", str(n)] if n > 1 else [] for n in (1, 2, 3, 4))
+    for proc in run_clis(*(["eval", f"checkpoint.path={ckpt}", *launch] for launch in launches)):
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert {r["val_samples"] for r in results} == {359}  # 359 is prime: no world size divides it
@@ -125,10 +135,12 @@ def run_until_epoch(cmd: list[str], out_dir, epoch: int, timeout: float = 300) -
 def test_resume_after_kill_equals_unbroken_run(tmp_path):
     # With augmentation on: the per-epoch streams depend only on (seed, rank, epoch).
     args = ["model.arch=mlp", "train.epochs=4", "--nproc-per-node", "2"]
-    train(tmp_path / "unbroken", *args)
     broken = tmp_path / "broken"
     cmd = [sys.executable, "-m", "ddpkit", "train", f"out_dir={broken}", *args]
-    run_until_epoch(cmd, broken, 2)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the unbroken run beside the one that is killed
+        unbroken = pool.submit(train, tmp_path / "unbroken", *args)
+        run_until_epoch(cmd, broken, 2)
+        unbroken.result()
     assert len(read_metrics(broken)) < 4
     proc = train(broken, *args)
     assert "resumed from" in proc.stdout
@@ -230,8 +242,12 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path):
     # torch.compile (inductor on the CPU): same weights as eager after a few steps, and a checkpoint whose
     # keys carry no `_orig_mod.` prefix, so eval and resume load it into a plain model.
     steps = ["train.epochs=1", "train.max_steps=4", "train.batch_size=32"]
-    train(tmp_path / "eager", *EXACT, *steps)
-    train(tmp_path / "compiled", *EXACT, *steps, "model.compile=true", timeout=600)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # compiled in its own process, eager in this one
+        compiled = pool.submit(
+            train, tmp_path / "compiled", *EXACT, *steps, "model.compile=true", timeout=600
+        )
+        train_here(f"out_dir={tmp_path / 'eager'}", *EXACT, *steps)
+        compiled.result()
     eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
     assert not any(k.startswith("_orig_mod.") for k in compiled)
     assert_same_weights(eager, compiled, atol=1e-4)
