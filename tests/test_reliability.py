@@ -135,8 +135,10 @@ def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
     rc, _, err = finish(proc, timeout=timeout_s + 120)
     elapsed = time.time() - t0
     assert rc != 0
-    # the collective timeout, then at most torch's launcher's 30 s grace before it SIGKILLs the stopped rank
-    assert elapsed < timeout_s + 45, elapsed
+    # The collective timeout, then the end: the launcher continues the stopped rank once torch's agent has
+    # sent it SIGTERM, so it acts on it at once. Before, the agent waited out its 30 s grace for the stopped
+    # rank before SIGKILLing it (the job ended 36-40 s after the SIGSTOP).
+    assert elapsed < timeout_s + 20, elapsed
     lines = [ln for ln in err.splitlines() if ln.startswith("ddpkit: error:")]
     assert any("stopped responding: rank 1" in ln and "at step" in ln for ln in lines), err[-3000:]
 

@@ -179,6 +179,23 @@ def registered(job: Path) -> dict[int, int]:
     return ranks
 
 
+def stopped_while_ending(pid: int) -> bool:
+    """Process `pid` is stopped (SIGSTOP, Ctrl-Z; not a debugger's trace stop) with a SIGTERM waiting: it was
+    asked to end (torch's agent ends a failed job's workers with SIGTERM, then SIGKILL 30 s later) and can act
+    on it only once it is continued."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+        state = fields["State"].split()[0]
+    except (KeyError, ValueError, IndexError):
+        return False
+    return state == "T" and bool(pending >> (signal.SIGTERM - 1) & 1)
+
+
 def live(job: Path) -> dict[int, int]:
     """{rank: pid} of the workers of job folder `job` that still run, each proven to be that worker (only
     these are ever signalled)."""
@@ -311,6 +328,10 @@ class Watch:
         while not self._done.wait(0.5):
             ranks = registered(self.job)
             alive = live(self.job)
+            for pid in alive.values():
+                if stopped_while_ending(pid):  # act on the SIGTERM now, not after the agent's 30 s grace
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
             ended = sorted(set(ranks) - set(alive))
             if self._now.is_set():
                 self._now.clear()
