@@ -135,7 +135,7 @@ def run(argv: Sequence[str]) -> int:
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
     from ddpkit.launcher import startup, warm_start
     from ddpkit.launcher.elastic import launch_elastic
-    from ddpkit.launcher.launch import launch_spawn, set_thread_env
+    from ddpkit.launcher.launch import launch_spawn, start_warm
     from ddpkit.launcher.spec import spec_from_args, worker_argv
 
     spec = spec_from_args(args)
@@ -144,10 +144,9 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
 
         startup.publish()  # the workers measure their start-up from ours
         preload = getattr(command.module, "preload", None)
-        if spec.launcher != "spawn" and preload is not None and warm_start.main_is_ddpkit():
-            set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
-            warm_start.start(
-                preload(cfg)
+        if preload is not None:
+            start_warm(
+                spec, preload(cfg)
             )  # it imports torch for the workers while we import it for the agent
         in_launcher = getattr(command.module, "in_launcher", None)
         tail = in_launcher(cfg, spec) if in_launcher is not None else None

@@ -112,22 +112,10 @@ def _exec(target: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", "-m", usermain.__name__, *target])
 
 
-def _start_warm(spec) -> bool:
-    """Start the fork server that imports torch for the script's workers while this launcher imports it for
-    the agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
-    program of the user's own that calls ddpkit's command line)."""
-    from ddpkit.launcher.launch import set_thread_env
-
-    if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
-        return False
-    set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
-    return warm_start.start(SCRIPT_WORKER)
-
-
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
     from ddpkit.launcher.elastic import launch_elastic
-    from ddpkit.launcher.launch import launch_spawn
+    from ddpkit.launcher.launch import launch_spawn, start_warm
     from ddpkit.launcher.spec import spec_from_args
     from ddpkit.launcher.usermain import run_spawned
 
@@ -143,7 +131,7 @@ def run_command(argv: Sequence[str]) -> int:
     local_rank.arrange(args.pass_local_rank, target)
     if not spec.starts_workers:
         _exec(target)
-    warm = _start_warm(spec)
+    warm = start_warm(spec, SCRIPT_WORKER)
     import torch
 
     from ddpkit.distributed.runtime import check_cpu_processes

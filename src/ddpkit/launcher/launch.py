@@ -70,6 +70,18 @@ def set_thread_env(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
+def start_warm(spec: Any, modules: list[str]) -> bool:
+    """Start the fork server that imports `modules` for the workers while this launcher imports torch for the
+    agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
+    program of the user's own that calls ddpkit's command line)."""
+    from ddpkit.launcher import warm_start
+
+    if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
+        return False
+    set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
+    return warm_start.start(modules)
+
+
 def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) -> frozenset[int]:
     """Ranks the agent SIGTERMed after the first failure (it ends the others): not the job's status. Also when
     this launcher passed a signal on, if the first rank to end did not die of SIGTERM: the script handled the
