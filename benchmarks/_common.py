@@ -77,6 +77,32 @@ def run_streaming(
     return rc, time.perf_counter() - t0, lines
 
 
+class RunFailed(Exception):
+    """A benchmarked command ended with a non-zero exit code; `tail` is its last output."""
+
+    def __init__(self, rc: int, tail: str):
+        super().__init__(f"exit code {rc}")
+        self.rc, self.tail = rc, tail
+
+
+def failed(rc: int, lines: list[tuple[float, str]]) -> RunFailed:
+    return RunFailed(rc, "\n".join(line for _, line in lines[-25:]))
+
+
+def once_more_on_failure(attempt, what: str) -> tuple[Any, list[str]]:
+    """attempt(), and once more if it raises RunFailed -> (its result, the first failure or nothing). The
+    hand-written torch workers have ended with SIGABRT from gloo now and then, at random, on this machine; a
+    second failure ends the benchmark with the run's last output."""
+    try:
+        return attempt(), []
+    except RunFailed as first:
+        print(f"  {what}: failed with {first}; run again", flush=True)
+        try:
+            return attempt(), [str(first)]
+        except RunFailed as second:
+            raise SystemExit(f"{what} failed twice, last with {second}:\n{second.tail}") from None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     if path.exists():

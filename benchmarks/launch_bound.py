@@ -130,11 +130,14 @@ def worker(args: argparse.Namespace) -> None:
     train_set, _, spec = build_datasets(load_config(None, data_overrides(net, workers)))
     xs, ys = zip(*(train_set[i] for i in range(len(train_set))), strict=True)
     dataset = TensorDataset(torch.stack(xs), torch.tensor(ys))
-    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED, drop_last=True) if distributed else None
+    # One loop for one process and many: a DistributedSampler over this process group's size (1 without one).
+    # Its order is ddpkit's too (randperm seeded with seed + epoch), so both sides take the same steps: the
+    # same arithmetic, also where a trajectory runs into subnormal floats (slow on many CPUs).
+    world = dist.get_world_size() if distributed else 1
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=SEED, drop_last=True)
     loader = DataLoader(
         dataset,
         batch_size=batch,
-        shuffle=sampler is None,
         sampler=sampler,
         drop_last=True,
         num_workers=workers,
@@ -156,8 +159,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
-        if sampler is not None:
-            sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=dev)  # loss sum, correct, count
         for x, y in loader:
@@ -197,32 +199,38 @@ def timed(rows: list[dict[str, Any]], epochs: int) -> tuple[float, float]:
 
 
 def run_side(side: str, setting: tuple, epochs: int, device: str, echo: bool) -> dict[str, Any]:
+    """One run of one side; a run that fails is run once more, and the failure is kept in the result."""
     net, batch, nproc, workers = setting
-    with tempfile.TemporaryDirectory(prefix=f"ddpkit-launch-{side}-") as tmp:
-        out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
-        build = ddpkit_command if side == "ddpkit" else plain_command
-        cmd = build(net, batch, nproc, workers, epochs, device, out)
-        load = os.getloadavg()[0]
-        b0, c0 = _busy_s(), _children_cpu_s()
-        rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
-        b1, c1 = _busy_s(), _children_cpu_s()
-        if rc != 0:
-            tail = "\n".join(line for _, line in lines[-25:])
-            raise SystemExit(f"{side} {setting} failed with exit code {rc}:\n{tail}")
-        rows = (
-            common.read_jsonl(Path(out) / "metrics.jsonl")
-            if side == "ddpkit"
-            else json.loads(Path(out).read_text())
-        )
-    images, seconds = timed(rows, epochs)
-    other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
-    return {
-        "side": side,
-        "images_per_s": images / seconds,
-        "load1": load,
-        "other_cores": other,
-        "wall_s": wall,
-    }
+
+    def attempt() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix=f"ddpkit-launch-{side}-") as tmp:
+            out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
+            build = ddpkit_command if side == "ddpkit" else plain_command
+            cmd = build(net, batch, nproc, workers, epochs, device, out)
+            load = os.getloadavg()[0]
+            b0, c0 = _busy_s(), _children_cpu_s()
+            rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
+            b1, c1 = _busy_s(), _children_cpu_s()
+            if rc != 0:
+                raise common.failed(rc, lines)
+            rows = (
+                common.read_jsonl(Path(out) / "metrics.jsonl")
+                if side == "ddpkit"
+                else json.loads(Path(out).read_text())
+            )
+        images, seconds = timed(rows, epochs)
+        other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
+        return {
+            "side": side,
+            "images_per_s": images / seconds,
+            "final_train_loss": rows[-1]["train_loss"],
+            "load1": load,
+            "other_cores": other,
+            "wall_s": wall,
+        }
+
+    result, failures = common.once_more_on_failure(attempt, f"{side} {setting}")
+    return {**result, "failed_first": failures}
 
 
 def settings(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -271,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         med, each, loads = common.compared(runs, sides, "images_per_s")
         ratio = med["ddpkit"] / med["plain"]
         ratios.append(ratio)
+        losses = {r["side"]: r["final_train_loss"] for r in runs}
+        print(
+            f"{setting}: last epoch's train loss ddpkit {losses['ddpkit']:.6g}, plain {losses['plain']:.6g}"
+        )
         table.append(
             [*setting, f"{med['ddpkit']:.0f}", f"{med['plain']:.0f}", f"**{ratio:.3f}**", each, loads]
         )

@@ -232,10 +232,9 @@ def tokens_per_s(side: str, out: Path, epochs: int) -> float:
 
 
 def run_side(args: argparse.Namespace, side: str, layout: str) -> dict[str, Any]:
-    """One run of one side; a run that fails is run once more, and the failure is kept in the result (the
-    hand-written workers have ended with SIGABRT from gloo now and then, at random, on this machine)."""
-    failures: list[str] = []
-    while True:
+    """One run of one side; a run that fails is run once more, and the failure is kept in the result."""
+
+    def attempt() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix=f"ddpkit-pvt-{side}-") as tmp:
             out = Path(tmp) / ("run" if side == "ddpkit" else "torch.json")
             cmd = (ddpkit_command if side == "ddpkit" else torch_command)(args, layout, str(out))
@@ -244,21 +243,13 @@ def run_side(args: argparse.Namespace, side: str, layout: str) -> dict[str, Any]
             rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=args.echo)
             b1, c1 = _busy_s(), _children_cpu_s()
             if rc != 0:
-                tail = "\n".join(line for _, line in lines[-25:])
-                if failures:
-                    raise SystemExit(f"{side} {layout} failed twice, last with exit code {rc}:\n{tail}")
-                failures.append(f"exit code {rc}")
-                print(f"  {layout} {side}: failed with exit code {rc}; run again", flush=True)
-                continue
+                raise common.failed(rc, lines)
             rate = tokens_per_s(side, out, args.epochs)
         other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
-        return {
-            "tokens_per_s": rate,
-            "load1": load,
-            "other_cores": other,
-            "wall_s": wall,
-            "failed_first": failures,
-        }
+        return {"tokens_per_s": rate, "load1": load, "other_cores": other, "wall_s": wall}
+
+    result, failures = common.once_more_on_failure(attempt, f"{layout} {side}")
+    return {**result, "failed_first": failures}
 
 
 def main(argv: list[str] | None = None) -> int:

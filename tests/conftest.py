@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,6 +250,7 @@ class RankPool:
 
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.last = "nothing"
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [
@@ -274,6 +276,7 @@ class RankPool:
         return True
 
     def run(self, fn, args: tuple, timeout: float) -> list:
+        self.last = f"{fn.__module__}.{fn.__qualname__}"
         with tempfile.TemporaryDirectory() as tmp:
             for q in self.tasks:
                 q.put((os.path.join(tmp, "rdzv"), fn, args))
@@ -296,6 +299,11 @@ def _pool(world_size: int) -> RankPool:
     pool = _POOLS.get(world_size)
     if pool is None or not pool.ready():
         if pool is not None:
+            # A rank still busy with what the last function left (a thread, a collective): the next test pays
+            # the whole wait. Named, so that the function can be fixed.
+            warnings.warn(
+                f"the {world_size}-rank pool was not free after {pool.last}: started again", stacklevel=2
+            )
             pool.close()
         pool = _POOLS[world_size] = RankPool(world_size)
     return pool

@@ -153,7 +153,7 @@ COVERED = {
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
     "model.activation_checkpointing=full --nproc-per-node 2": (
-        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_x_pp_equals_one_process"
+        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process"
     ),
     # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
@@ -182,6 +182,10 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
         "tests/parallel/test_3d.py::"
         "test_fsdp_over_tp2_pp2_with_accumulation_writes_a_sharded_checkpoint_that_one_process_continues"
+    ),
+    "ddpkit train model.arch=llama data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
+        "tests/models/test_llama.py::"
+        "test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process[fsdp]"
     ),
 }
 

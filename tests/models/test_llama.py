@@ -1,8 +1,8 @@
 """The built-in Llama (model.arch=llama): equal to transformers' LlamaForCausalLM on tiny random models (grouped-query
 attention, RoPE base, tied head), exported back, and trained under tensor parallelism with activation
-checkpointing, under zero2 x tensor x pipeline parallelism on 8 processes, and tied under FSDP, equal to one
-process. Budget: about 90 s (three `ddpkit train` runs of 6 steps, two on 2 processes, one on 8, and the two
-one-process references in this process, each beside a run on 2 processes)."""
+checkpointing, under fsdp and under zero2 x tensor x pipeline parallelism on 8 processes, and tied under FSDP,
+equal to one process. Budget: about 110 s (four `ddpkit train` runs of 6 steps, two on 2 processes and two on 8,
+and the two one-process references in this process)."""
 
 from __future__ import annotations
 
@@ -91,28 +91,32 @@ def test_a_tied_llama_under_fsdp_equals_one_process(gpt_text, tmp_path):
     assert torch.equal(fsdp["head.weight"], fsdp["tok_emb.weight"])
 
 
-@pytest.mark.slow
-def test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_x_pp_equals_one_process(
-    gpt_text, tmp_path, capsys
-):
+@pytest.fixture(scope="module")
+def llama_one(gpt_text, tmp_path_factory) -> dict:
+    """The one-process run of LLAMA, 6 steps, in this process: the weights every layout below must reach."""
     from ddpkit.checkpoint import load_checkpoint
 
-    _reference_beside(
-        gpt_text, [*LLAMA[len(GPT_RUN) :], "train.max_steps=6"], tmp_path / "one", tmp_path / "tp", 2,
-        "dist.tp=2", "model.activation_checkpointing=full", dp=1,
+    out = tmp_path_factory.mktemp("llama_one") / "run"
+    train_here(
+        *LLAMA, f"out_dir={out}", f"data.root={gpt_text}", f"train.batch_size={GPT_GLOBAL_BATCH}", *STEPS
+    )
+    assert load_checkpoint(out / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
+    return _last_weights(out)
+
+
+STEPS = ["train.max_steps=6"]
+
+
+@pytest.mark.slow
+def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(
+    llama_one, gpt_text, tmp_path, capsys
+):
+    gpt_train(
+        tmp_path / "tp", gpt_text, 2, *LLAMA[len(GPT_RUN) :], *STEPS, "dist.tp=2",
+        "model.activation_checkpointing=full", dp=1,
     )  # fmt: skip
-    # its family's pipeline cut (at its blocks, models/blocks.py) and tensor plan on the 3-D layout: zero2 over
-    # dp=2 x tp=2 x pp=2 on 8 processes
-    three_d = gpt_train(
-        tmp_path / "pp", gpt_text, 8, *LLAMA[len(GPT_RUN) :], "train.max_steps=6", "dist.tp=2", "dist.pp=2",
-        "dist.strategy=zero2", "dist.pp_microbatches=2", "--oversubscribe", dp=2,
-    )  # fmt: skip
-    one, tp = _last_weights(tmp_path / "one"), _last_weights(tmp_path / "tp")
-    assert "blocks.1.mlp.gate.weight" in one
-    assert load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt")["config"]["model"]["arch"] == "llama"
-    _assert_close(tp, one)
-    assert "strategy zero2, pipeline 2 stages (1f1b) over dp=2 x tp=2 x pp=2" in three_d.stdout
-    _assert_close(_last_weights(tmp_path / "pp"), one)
+    assert "blocks.1.mlp.gate.weight" in llama_one
+    _assert_close(_last_weights(tmp_path / "tp"), llama_one)
     for bad, fragment in (
         (["model.n_kv_head=1", "dist.tp=2"], "model.n_kv_head=1 cannot be split over dist.tp=2"),
         (["model.n_kv_head=3"], "not a multiple of model.n_kv_head=3"),
@@ -126,3 +130,18 @@ def test_llama_under_tensor_parallelism_with_checkpointing_and_under_zero2_x_tp_
         proc = cli_in_process(capsys, *argv, "--nproc-per-node", "2")  # refused before any worker starts
         assert_user_error(proc, fragment)
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process(
+    llama_one, gpt_text, tmp_path, strategy
+):
+    # its family's pipeline cut (at its blocks, models/blocks.py) and tensor plan on the 3-D layout: `strategy`
+    # over dp=2 x tp=2 x pp=2
+    three_d = gpt_train(
+        tmp_path / "pp", gpt_text, 8, *LLAMA[len(GPT_RUN) :], *STEPS, "dist.tp=2", "dist.pp=2",
+        f"dist.strategy={strategy}", "dist.pp_microbatches=2", "--oversubscribe", dp=2,
+    )  # fmt: skip
+    assert f"strategy {strategy}, pipeline 2 stages (1f1b) over dp=2 x tp=2 x pp=2" in three_d.stdout
+    _assert_close(_last_weights(tmp_path / "pp"), llama_one)
