@@ -94,7 +94,9 @@ def test_newest_complete_passes_over_a_damaged_last_and_says_so(tmp_path):
 
 # A process that imports torch once and forks one saver per trial (a fork starts in milliseconds, a new process
 # in seconds): each saver writes checkpoints in a loop, printing `PID STEP` after each complete save, until the
-# test SIGKILLs it; the forking process then reaps it and prints `killed`.
+# test SIGKILLs it; the forking process then reaps it and prints `killed`. Each line is one write(2): print()
+# under PYTHONUNBUFFERED writes "PID", " ", "STEP" and "\n" apart, and a saver killed between two of them left a
+# line without its end, to which `killed` was joined: the test then waited for a `killed` line forever.
 SAVER = r"""
 import os, sys, torch
 from ddpkit.checkpoint import save_checkpoint
@@ -107,11 +109,11 @@ for line in sys.stdin:
             while True:
                 i += 1
                 save_checkpoint({"model": {"w": torch.full((1_000_000,), float(i))}, "step": i}, path)
-                print(os.getpid(), i, flush=True)
+                os.write(1, f"{os.getpid()} {i}\n".encode())
         finally:
             os._exit(1)
     os.waitpid(pid, 0)
-    print("killed", flush=True)
+    os.write(1, b"killed\n")
 """
 
 
