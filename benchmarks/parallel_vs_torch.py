@@ -15,7 +15,8 @@ OMP_NUM_THREADS=1 and torch.set_num_threads(1) per rank.
           cut_stage and schedule_1f1b), DDP around the stage (dp x pp); loss sums all-reduced once an epoch.
 
 Layouts: tp2, fsdp, zero2, pp2 (2 processes); fsdp_tp2 (dp2 x tp2) and dp2_pp2 (4 processes, oversubscribed on 2
-cores); fsdp_tp2_pp2 (8 processes) only when named with --layouts.
+cores); hsdp (4 processes: 2 replicas of 2-rank sharding groups; by hand fully_shard on a 2-D replicate x shard
+mesh) and fsdp_tp2_pp2 (8 processes) only when named with --layouts.
 
 What is timed, the same way on both sides: epochs 2 .. E-1 (epoch 1 warms up; ddpkit evaluates after the last),
 each from its start to its loss all-reduce (ddpkit: metrics.jsonl's train_tokens_per_s). The sides run
@@ -46,7 +47,7 @@ from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
 SEED, LR, WEIGHT_DECAY = 0, 1e-3, 5e-4
 GLOBAL_BATCH = 16
 
-# name -> (processes, tp, pp, strategy over the data-parallel ranks: ddp, fsdp, zero2)
+# name -> (processes, tp, pp, strategy over the data-parallel ranks: ddp, fsdp, zero2, hsdp)
 LAYOUTS: dict[str, tuple[int, int, int, str]] = {
     "tp2": (2, 2, 1, "ddp"),
     "fsdp": (2, 1, 1, "fsdp"),
@@ -55,7 +56,9 @@ LAYOUTS: dict[str, tuple[int, int, int, str]] = {
     "fsdp_tp2": (4, 2, 1, "fsdp"),
     "dp2_pp2": (4, 1, 2, "ddp"),
     "fsdp_tp2_pp2": (8, 2, 2, "fsdp"),
+    "hsdp": (4, 1, 1, "hsdp"),
 }
+DP_SHARD = 2  # hsdp: ranks per sharding group (2 replicas of 2 on 4 processes)
 SIDES = ("ddpkit", "torch")
 DEFAULT_LAYOUTS = ["tp2", "fsdp", "zero2", "pp2", "fsdp_tp2", "dp2_pp2"]
 
@@ -98,6 +101,7 @@ def ddpkit_command(args: argparse.Namespace, layout: str, out: str) -> list[str]
         f"dist.tp={tp}",
         f"dist.pp={pp}",
         f"dist.strategy={strategy if dp > 1 else 'auto'}",
+        *([f"dist.dp_shard={DP_SHARD}"] if strategy == "hsdp" else []),
         f"out_dir={out}",
         "--nproc-per-node",
         str(nproc),
@@ -165,10 +169,16 @@ def worker(args: argparse.Namespace) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, mesh["tp"], handwritten_plan(module))
-    if dp > 1 and strategy in ("fsdp", "zero2"):
+    if dp > 1 and strategy in ("fsdp", "zero2", "hsdp"):
         from torch.distributed.fsdp import fully_shard
 
-        keep = {"mesh": mesh["dp"], "reshard_after_forward": strategy == "fsdp"}
+        # HSDP: FSDP2 on a 2-D mesh, replicas x sharding groups (torch's own form of it)
+        shard_mesh = (
+            init_device_mesh("cpu", (dp // DP_SHARD, DP_SHARD), mesh_dim_names=("replicate", "shard"))
+            if strategy == "hsdp"
+            else mesh["dp"]
+        )
+        keep = {"mesh": shard_mesh, "reshard_after_forward": strategy != "zero2"}
         for block in module.blocks.values():
             fully_shard(block, **keep)
         fully_shard(module, **keep)
