@@ -263,8 +263,9 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def ready(self, timeout: float = 30.0) -> bool:
-        """Every rank alive and answering: none is still caught in what an earlier test left."""
+    def ready(self, timeout: float = 10.0) -> bool:
+        """Every rank alive and answering: none is still caught in what an earlier test left. A new pool starts
+        in about 6 s, so a rank silent for `timeout` s is not waited for longer."""
         if not self.alive():
             return False
         for q in self.tasks:

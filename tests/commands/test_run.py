@@ -110,15 +110,22 @@ def test_workers_get_ranks_and_the_scripts_exit_code_passes_through(tmp_path, la
 
 
 WORKER_PROBE = """\
-import json, multiprocessing, os, signal, sys
+import glob, json, multiprocessing, os, signal, sys, time
 import torch
-with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "w") as fh:
+probe = os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"])
+with open(probe + ".tmp", "w") as fh:
     json.dump({"env": dict(os.environ), "argv": sys.argv, "name": __name__, "file": __file__,
                "main": sys.modules["__main__"].__file__, "path": sys.path,
                "start_method": multiprocessing.get_start_method(allow_none=True),
                "threads": torch.get_num_threads(), "cli": "ddpkit.cli" in sys.modules,
                "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
                "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read()}, fh)
+os.replace(probe + ".tmp", probe + ".json")
+# a rank that fails first makes the launcher end the others: every rank waits until each has written its probe
+deadline = time.monotonic() + 120
+while len(glob.glob(os.path.join(os.environ["PROBE_DIR"], "*.json"))) < int(os.environ["WORLD_SIZE"]):
+    assert time.monotonic() < deadline, "the other ranks never wrote their probe"
+    time.sleep(0.05)
 sys.exit(4)
 """
 PER_LAUNCH = {
