@@ -5,7 +5,8 @@ gloo processes.
 
 - 8 processes (oversubscribed): dist.tp=2 x dist.pp=2 x dp=2 with dist.strategy=fsdp (FSDP2 over the dp dim of each
   tensor-parallel stage), train.grad_accum_steps=2, a sharded checkpoint at step 3; continued on 1 process to step
-  6, it reaches the unbroken run's weights (the 3-D steps, the accumulation and the resharding checkpoint together).
+  6, it reaches the unbroken run's weights (the 3-D steps, the accumulation and the resharding checkpoint together);
+  and dist.strategy=zero2 on the same layout, 6 steps.
 - 4 processes (the reused rank pool, the Trainer in-process): HSDP 2 x 2 (dist.strategy=hsdp dist.dp_shard=2),
   and zero2 over the two data-parallel replicas of a 2-stage pipeline with gradient accumulation.
 - in-process: the coordinates, the defaults and the one-line refusals.
@@ -147,6 +148,19 @@ def test_fsdp_over_tp2_pp2_with_accumulation_writes_a_sharded_checkpoint_that_on
     )  # every rank's shards read into one process
     assert f"resumed from {last}" in resumed.stdout
     _assert_close(_weights(out), reference)
+
+
+@pytest.mark.slow
+def test_zero2_over_tp2_pp2_on_8_processes_equals_one_process(reference, gpt_text, tmp_path):
+    # ZeRO-2 (FSDP2 without resharding after forward) over the dp dim of each tensor-parallel pipeline stage
+    three_d = gpt_train(
+        tmp_path / "run", gpt_text, 8, "dist.tp=2", "dist.pp=2", "dist.strategy=zero2", "dist.pp_microbatches=2",
+        "train.max_steps=6", *CLIP, "--oversubscribe", dp=2,
+    )  # fmt: skip
+    assert (
+        "strategy zero2, pipeline 2 stages (1f1b) over dp=2 x tp=2 x pp=2, global batch 8" in three_d.stdout
+    )
+    _assert_close(_weights(tmp_path / "run"), reference)
 
 
 # ------------------------------------------------------------------- 4 ranks: HSDP 2 x 2, zero2 over a pipeline
