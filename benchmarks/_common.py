@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -77,16 +78,42 @@ def run_streaming(
     return rc, time.perf_counter() - t0, lines
 
 
-class RunFailed(Exception):
-    """A benchmarked command ended with a non-zero exit code; `tail` is its last output."""
+class RunFailed(SystemExit):
+    """A benchmarked command ended with a non-zero exit code; uncaught, it ends the benchmark with its last
+    output (`tail`)."""
 
-    def __init__(self, rc: int, tail: str):
-        super().__init__(f"exit code {rc}")
+    def __init__(self, what: str, rc: int, tail: str):
+        super().__init__(f"{what} failed with exit code {rc}:\n{tail}")
         self.rc, self.tail = rc, tail
 
 
-def failed(rc: int, lines: list[tuple[float, str]]) -> RunFailed:
-    return RunFailed(rc, "\n".join(line for _, line in lines[-25:]))
+def busy_s() -> float | None:
+    """Machine-wide busy CPU seconds so far (all cores), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    v = [int(x) for x in fields]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_measured(cmd: list[str], what: str, env: dict[str, str] | None = None, echo: bool = False) -> dict:
+    """run_streaming(cmd), measured: {"wall_s", "lines", "load1" (before it), "other_cores" (the CPU that
+    processes other than it used meanwhile, in cores; None without /proc/stat)}; RunFailed on a non-zero exit."""
+    load = os.getloadavg()[0]
+    b0, c0 = busy_s(), children_cpu_s()
+    rc, wall, lines = run_streaming(cmd, env=env, echo=echo)
+    b1, c1 = busy_s(), children_cpu_s()
+    if rc != 0:
+        raise RunFailed(what, rc, "\n".join(line for _, line in lines[-25:]))
+    other = None if b0 is None or b1 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
+    return {"wall_s": wall, "lines": lines, "load1": load, "other_cores": other}
 
 
 def once_more_on_failure(attempt, what: str) -> tuple[Any, list[str]]:
@@ -96,11 +123,8 @@ def once_more_on_failure(attempt, what: str) -> tuple[Any, list[str]]:
     try:
         return attempt(), []
     except RunFailed as first:
-        print(f"  {what}: failed with {first}; run again", flush=True)
-        try:
-            return attempt(), [str(first)]
-        except RunFailed as second:
-            raise SystemExit(f"{what} failed twice, last with {second}:\n{second.tail}") from None
+        print(f"  {what}: failed with exit code {first.rc}; run again", flush=True)
+        return attempt(), [f"exit code {first.rc}"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

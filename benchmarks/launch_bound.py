@@ -40,7 +40,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
-from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
 
 SEED = 0
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
@@ -207,26 +206,18 @@ def run_side(side: str, setting: tuple, epochs: int, device: str, echo: bool) ->
             out = str(Path(tmp) / ("run" if side == "ddpkit" else "plain.json"))
             build = ddpkit_command if side == "ddpkit" else plain_command
             cmd = build(net, batch, nproc, workers, epochs, device, out)
-            load = os.getloadavg()[0]
-            b0, c0 = _busy_s(), _children_cpu_s()
-            rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=echo)
-            b1, c1 = _busy_s(), _children_cpu_s()
-            if rc != 0:
-                raise common.failed(rc, lines)
+            run = common.run_measured(cmd, f"{side} {setting}", env={"OMP_NUM_THREADS": "1"}, echo=echo)
             rows = (
                 common.read_jsonl(Path(out) / "metrics.jsonl")
                 if side == "ddpkit"
                 else json.loads(Path(out).read_text())
             )
         images, seconds = timed(rows, epochs)
-        other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
         return {
             "side": side,
             "images_per_s": images / seconds,
             "final_train_loss": rows[-1]["train_loss"],
-            "load1": load,
-            "other_cores": other,
-            "wall_s": wall,
+            **{k: run[k] for k in ("load1", "other_cores", "wall_s")},
         }
 
     result, failures = common.once_more_on_failure(attempt, f"{side} {setting}")

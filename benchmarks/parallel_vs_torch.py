@@ -42,7 +42,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
-from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
 
 SEED, LR, WEIGHT_DECAY = 0, 1e-3, 5e-4
 GLOBAL_BATCH = 16
@@ -248,15 +247,9 @@ def run_side(args: argparse.Namespace, side: str, layout: str) -> dict[str, Any]
         with tempfile.TemporaryDirectory(prefix=f"ddpkit-pvt-{side}-") as tmp:
             out = Path(tmp) / ("run" if side == "ddpkit" else "torch.json")
             cmd = (ddpkit_command if side == "ddpkit" else torch_command)(args, layout, str(out))
-            load = os.getloadavg()[0]
-            b0, c0 = _busy_s(), _children_cpu_s()
-            rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=args.echo)
-            b1, c1 = _busy_s(), _children_cpu_s()
-            if rc != 0:
-                raise common.failed(rc, lines)
+            run = common.run_measured(cmd, f"{layout} {side}", env={"OMP_NUM_THREADS": "1"}, echo=args.echo)
             rate = tokens_per_s(side, out, args.epochs)
-        other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
-        return {"tokens_per_s": rate, "load1": load, "other_cores": other, "wall_s": wall}
+        return {"tokens_per_s": rate, **{k: run[k] for k in ("load1", "other_cores", "wall_s")}}
 
     result, failures = common.once_more_on_failure(attempt, f"{layout} {side}")
     return {**result, "failed_first": failures}

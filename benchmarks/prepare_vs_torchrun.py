@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
-from throughput_vs_plain_ddp import _busy_s, _children_cpu_s  # noqa: E402
 
 # The script, as the user holds it. `PORTED` marks the lines of the ddpkit version; `TORCHRUN` those of the
 # hand-written one; everything else is shared, so both sides do the same work.
@@ -113,12 +111,8 @@ def command(
 
 def run_side(side: str, script: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = command(side, script, args.nproc, args.images, args.batch, args.epochs, args.workers)
-    load = os.getloadavg()[0]
-    b0, c0 = _busy_s(), _children_cpu_s()
-    rc, wall, lines = common.run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, echo=args.echo)
-    b1, c1 = _busy_s(), _children_cpu_s()
-    if rc != 0:
-        raise SystemExit(f"{side} failed with exit code {rc}:\n" + "\n".join(line for _, line in lines[-25:]))
+    run = common.run_measured(cmd, side, env={"OMP_NUM_THREADS": "1"}, echo=args.echo)
+    lines = run["lines"]
     rows = [json.loads(line) for _, line in lines if line.startswith('{"epoch"')]
     window = [r for r in rows if r["epoch"] >= 2]
     if len(rows) != args.epochs or not window:
@@ -126,9 +120,7 @@ def run_side(side: str, script: str, args: argparse.Namespace) -> dict[str, Any]
     return {
         "side": side,
         "images_per_s": sum(r["images"] for r in window) / sum(r["seconds"] for r in window),
-        "wall_s": wall,
-        "load1": load,
-        "other_cores": None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall,
+        **{k: run[k] for k in ("wall_s", "load1", "other_cores")},
     }
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,12 +39,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    busy_s,
     machine,
     machine_line,
     md_table,
     python,
     read_jsonl,
-    run_streaming,
+    run_measured,
     sgd_overrides,
 )
 
@@ -209,31 +209,15 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _busy_s() -> float | None:
-    """Machine-wide busy CPU seconds so far (all cores), from /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    v = [int(x) for x in fields]
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> float:
     """Wait (at most max_wait_s) until other processes use less than threshold_cores; returns the wait."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < max_wait_s:
-        b0 = _busy_s()
+        b0 = busy_s()
         if b0 is None:
             return 0.0
         time.sleep(1.0)
-        if _busy_s() - b0 < threshold_cores:
+        if busy_s() - b0 < threshold_cores:
             break
     return time.perf_counter() - t0
 
@@ -253,16 +237,10 @@ def run_side(
             if side == "ddpkit"
             else [*plain_command(steps, batch, nproc, out), "--device", device, "--workers", str(workers)]
         )
-        b0, c0 = _busy_s(), _children_cpu_s()
-        rc, wall, lines = run_streaming(cmd, env=env, echo=echo)
-        b1, c1 = _busy_s(), _children_cpu_s()
-        if rc != 0:
-            tail = "\n".join(line for _, line in lines[-25:])
-            raise SystemExit(f"{side} run failed with exit code {rc}:\n{tail}")
+        run = run_measured(cmd, f"{side} run", env=env, echo=echo)
         rows = (
             read_jsonl(Path(out) / "metrics.jsonl") if side == "ddpkit" else json.loads(Path(out).read_text())
         )
-    other = None if b0 is None else max(0.0, (b1 - b0) - (c1 - c0)) / wall
     by_epoch = {int(r["epoch"]): r for r in rows}
     e2 = by_epoch[2]
     images = round(e2["train_images_per_s"] * e2["epoch_time_s"])
@@ -273,8 +251,8 @@ def run_side(
         "epoch2_images": images,
         "epoch1_images_per_s": by_epoch[1]["train_images_per_s"],
         "epoch2_train_loss": e2["train_loss"],
-        "wall_s": wall,
-        "other_load_cores": other,
+        "wall_s": run["wall_s"],
+        "other_load_cores": run["other_cores"],
         "command": " ".join(cmd[1:]),
     }
 
