@@ -406,3 +406,28 @@ def test_no_import_inside_a_function_dodges_a_cycle():
         "an import inside a function dodges a cycle: break the cycle"
     )
     assert sorted(set(DODGED_CYCLES) - dodged) == [], "fixed: take it off DODGED_CYCLES"
+
+
+def test_the_trainer_branches_on_no_layout_and_no_metrics_field_reads_it():
+    # the step runner is chosen once (train/steps RUNNERS); metrics fields take the values EpochEnd hands them
+    import ast
+    import dataclasses
+
+    from ddpkit.train.metrics_file import EpochEnd
+
+    tree = ast.parse((SRC / "train" / "trainer.py").read_text())
+    layout_words = {"pp", "tp", "pipeline", "pipeline_trainer", "PipelineRunner"}
+    named = [
+        f"{n.lineno}: {n.attr if isinstance(n, ast.Attribute) else n.id}"
+        for n in ast.walk(tree)
+        if (isinstance(n, ast.Attribute) and n.attr in layout_words)
+        or (isinstance(n, ast.Name) and n.id in layout_words)
+    ]
+    imports = [
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "pipeline" in (n.module or "")
+    ]
+    assert named == [] and imports == [], "ask the step runner (train/steps/)"
+    assert {f.name for f in dataclasses.fields(EpochEnd)} >= {"step", "lr", "speed", "peak_memory"}
+    schema = ast.parse((SRC / "train" / "metrics_file.py").read_text())
+    assert "trainer" not in {f.name for f in dataclasses.fields(EpochEnd)}
+    assert [n.lineno for n in ast.walk(schema) if isinstance(n, ast.Attribute) and n.attr == "trainer"] == []

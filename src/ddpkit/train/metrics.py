@@ -273,7 +273,7 @@ class RunLog:
 def banner(t: Any) -> str:
     """The line a Trainer `t` starts with: processes, backend, device, strategy and layout, batch, lr, steps."""
     cfg, ctx, d, lay = t.cfg, t.ctx, t.cfg.dist, t.layout
-    pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if t.pipeline is not None else ""
+    pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if lay.pp > 1 else ""
     over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}" if lay.parallel else ""  # the model is split
     return (
         f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {t.device.type}, "
