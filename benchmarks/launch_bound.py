@@ -2,7 +2,7 @@
 
 Every fixed cost per step or per epoch shows when the model's own work is small. Two works, on both sides:
 
-  digits  the built-in CNN (ddpkit.models.small.SmallCNN) on the 1,438 in-memory 8x8 digits (no augmentation)
+  digits  the built-in CNN (ddpkit.models.small.model.SmallCNN) on the 1,438 in-memory 8x8 digits (no augmentation)
   mlp     the built-in MLP (3x32x32 -> 256 -> 128 -> 10) on ddpkit's synthetic images (in memory)
 
 at batch 64 and 256 per process, 1 and 2 processes (gloo), data.num_workers 0 and 2 (4 on a GPU), SGD (lr 0.1,
@@ -112,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from ddpkit.config import load_config
     from ddpkit.data import build_datasets
-    from ddpkit.models.small import SmallCNN, build_mlp
+    from ddpkit.models.small.model import SmallCNN, build_mlp
 
     net, batch, workers = args.nets[0], args.batches[0], args.workers[0]
     distributed = "WORLD_SIZE" in os.environ

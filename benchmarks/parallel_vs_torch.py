@@ -1,6 +1,6 @@
 """Each parallel layout of `ddpkit train` against hand-written torch doing the same: tokens/s of training.
 
-The work, on both sides: the built-in GPT (ddpkit.models.gpt.GPT: 4 blocks, width 128, 4 heads, context 64) on
+The work, on both sides: the built-in GPT (ddpkit.models.gpt.model.GPT: 4 blocks, width 128, 4 heads, context 64) on
 ddpkit's `data.dataset=text` samples (the standard library's sources, char tokens), the same global batch
 (16 sequences) and steps in every layout, AdamW (lr 1e-3, weight decay 5e-4, constant), no dropout, gloo,
 OMP_NUM_THREADS=1 and torch.set_num_threads(1) per rank.
@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from ddpkit.config import load_config
     from ddpkit.data import build_datasets
-    from ddpkit.models.gpt import GPT, lm_loss
+    from ddpkit.models.gpt.model import GPT, lm_loss
 
     torch.set_num_threads(1)
     nproc, tp, pp, strategy = LAYOUTS[args.layouts[0]]

@@ -5,7 +5,7 @@ and the time to the first step, 2 processes (gloo).
 Pipeline: Schedule1F1B, 4 micro-batches. The hand-written pipeline cuts the model at a module boundary by hand
 (each rank keeps its half of the blocks and deletes the rest: `cut_stage`); prepare() cuts the user's model where `pp_split` begins
 (parallel/pipeline/eager.py). Tensor parallel: both split the model by the same plan (ddpkit's GPT plan).
-Every run trains the same model (ddpkit.models.gpt.GPT) on the same batches with SGD; the runs take turns in
+Every run trains the same model (ddpkit.models.gpt.model.GPT) on the same batches with SGD; the runs take turns in
 one process group (`--rounds` alternations, medians reported).
 
     python benchmarks/pp_vs_handwritten.py                  # n_layer 4, n_embd 128, block 64, batch 16
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.models.gpt import GPT, STACK, lm_loss
+from ddpkit.models.gpt.model import GPT, STACK, lm_loss
 
 
 def _setup(args):

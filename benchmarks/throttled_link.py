@@ -61,7 +61,8 @@ def worker(spec: dict[str, Any]) -> None:
     from ddpkit.config import load_config
     from ddpkit.distributed.collectives import all_gather_object, barrier, seed_everything
     from ddpkit.parallel.compression import Compression
-    from ddpkit.parallel.strategy import build_strategy, ddp_options
+    from ddpkit.parallel.plan import build_strategy
+    from ddpkit.parallel.strategy import ddp_options
 
     ctx = ddpkit.init_distributed(backend="gloo", device="cpu")
     torch.set_num_threads(1)

@@ -593,7 +593,8 @@ def test_paths_in_error_lines_are_printed_with_their_control_characters_escaped(
 
 
 def test_the_one_process_strategy_dp_is_refused_with_tensor_parallel():
-    from ddpkit.parallel.mesh import layout_of, strategy_over_dp
+    from ddpkit.parallel.mesh import layout_of
+    from ddpkit.parallel.plan import strategy_over_dp
 
     with pytest.raises(UserError, match="dist.strategy=dp runs one process, not the 2 ranks of dist.tp=2"):
         strategy_over_dp("dp", layout_of(2, 2))

@@ -43,6 +43,55 @@ def test_no_module_lists_strategy_names_instead_of_asking_the_registry():
     assert offenders == []
 
 
+OWNERS = ("models/", "parallel/strategies/")  # the folders where a family's or a strategy's name may decide
+
+
+def _decided_names(src, names: set[str]) -> list[str]:
+    """`path:line: name` of each name in `names` that the modules under `src` (but OWNERS) decide by: compared
+    (`==`, `!=`, `in`; a tuple of names too), returned, matched, or made a module-level constant (a registry's
+    list of its own built-ins, a table of defaults, is not a decision)."""
+    import ast
+
+    def named(node) -> list[str]:
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
+
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        where = path.relative_to(src).as_posix()
+        if where.startswith(OWNERS):
+            continue
+        tree = ast.parse(path.read_text())
+        deciding = [n for n in ast.walk(tree) if isinstance(n, (ast.Compare, ast.Return, ast.MatchValue))]
+        constants = [n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value]
+        deciding += [c for c in constants if isinstance(c, ast.Constant)]  # AUTO = "zero2"; not a table
+        for node in deciding:
+            found += [f"{where}:{node.lineno}: {name}" for name in named(node)]
+    return found
+
+
+def test_no_family_or_strategy_name_decides_outside_its_owners(tmp_path):
+    # a family's names are asked of its family (ModelFamily, FamilyCard), a strategy's facts of its entry
+    # (StrategyEntry); "dp" is also the mesh's dimension name, and "auto" picks a strategy, it is none
+    from ddpkit.models import CARDS, MODEL_FAMILIES
+    from ddpkit.parallel.strategy import strategy_names
+
+    families = {f.name for f in MODEL_FAMILIES.values()} | {c.name for c in CARDS}
+    arches = {name for f in MODEL_FAMILIES.values() for name in f.names()}
+    names = (families | arches | set(strategy_names())) - {"dp"}
+    assert {"gpt", "llama", "cnn", "resnet18", "ddp", "hsdp", "single"} <= names
+    # the finder itself, on a module that decides by names
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "x.py").write_text(
+        'PICK = "zero2"\ndef f(a, s):\n    if a in ("cnn", "mlp") or s != "ddp":\n        return "gpt"\n'
+    )
+    decided = sorted(_decided_names(tmp_path, names))
+    assert decided == [
+        f"train/x.py:{n}: {name}"
+        for n, name in [(1, "zero2"), (3, "cnn"), (3, "ddp"), (3, "mlp"), (4, "gpt")]
+    ]
+    assert _decided_names(SRC, names) == [], "ask the family or the strategy entry (docs/architecture.md)"
+
+
 def test_a_moved_module_is_importable_by_its_old_name_as_the_same_module():
     import subprocess
     import sys

@@ -103,7 +103,8 @@ def preflight(command: Command, cfg, env) -> None:
     from ddpkit.distributed.runtime import resolve_device_backend
 
     backend, _ = resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
-    from ddpkit.parallel.mesh import check_config, layout_of
+    from ddpkit.parallel.mesh import layout_of
+    from ddpkit.parallel.plan import check_config
 
     if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
         check_config(cfg, env.world_size, env.local_world_size, backend)

@@ -124,7 +124,7 @@ def _tp2_saved_then_loaded(rank, world_size, folder):
     import ddpkit
     from ddpkit.checkpoint import sharded
     from ddpkit.checkpoint.state_dict import model_state
-    from ddpkit.models.gpt import GPT, lm_loss
+    from ddpkit.models.gpt.model import GPT, lm_loss
 
     def made():
         torch.manual_seed(0)

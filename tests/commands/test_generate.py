@@ -145,7 +145,7 @@ def test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers(ru
 
 @pytest.mark.slow
 def test_metrics_hold_flops_per_token_tflops_mfu_and_peak_memory_and_report_shows_them(runs, capsys):
-    from ddpkit.models.gpt import GPT
+    from ddpkit.models.gpt.model import GPT
     from ddpkit.train.metrics import read_metrics
 
     bpe, tokens, _, _ = runs
@@ -233,8 +233,8 @@ def test_init_from_refuses_a_folder_of_another_shape_or_kind_in_one_line(tmp_pat
     from ddpkit import models
     from ddpkit.config import load_config
     from ddpkit.errors import UserError
-    from ddpkit.models.gpt import GPT
-    from ddpkit.models.llama import Llama
+    from ddpkit.models.gpt.model import GPT
+    from ddpkit.models.llama.model import Llama
     from ddpkit.models.loading import init_from
 
     tiny_gpt2(tmp_path / "gpt2", 50)  # GPT-2's tanh GELU and tied head

@@ -27,7 +27,8 @@ from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.checkpoint.sharded import read_model
 from ddpkit.config import load_config
 from ddpkit.errors import UserError
-from ddpkit.parallel.mesh import Layout, check_config, layout_of, shard_degree
+from ddpkit.parallel.mesh import Layout, layout_of, shard_degree
+from ddpkit.parallel.plan import check_config
 
 
 def _weights(out) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from ddpkit.config import load_config
 from ddpkit.distributed.runtime import current
 from ddpkit.errors import UserError
 from ddpkit.parallel.compression import Compression
-from ddpkit.parallel.strategy import build_strategy
+from ddpkit.parallel.plan import build_strategy
 from ddpkit.train.metrics import read_metrics
 
 

@@ -9,7 +9,8 @@ from torch import nn
 from conftest import dist_context, plain, run_group
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import UserError
-from ddpkit.parallel.strategy import Strategy, build_strategy, resolve_strategy
+from ddpkit.parallel.plan import build_strategy, resolve_strategy
+from ddpkit.parallel.strategy import Strategy
 
 
 def test_auto_is_ddp_with_several_processes_and_single_with_one():
@@ -17,6 +18,41 @@ def test_auto_is_ddp_with_several_processes_and_single_with_one():
     for name in ("single", "dp"):
         with pytest.raises(UserError, match=f"dist.strategy={name} runs one process but 2 were started"):
             resolve_strategy(name, 2)
+
+
+def test_the_layout_plan_asks_the_entries_facts_not_their_names():
+    """A strategy of your own that replicates like ddp runs around pipeline stages, one that shards in groups
+    like hsdp gets its sharding group, and auto's picks are facts of the entries."""
+    from ddpkit.config import load_config
+    from ddpkit.parallel import strategy as registry
+    from ddpkit.parallel.mesh import layout_of
+    from ddpkit.parallel.plan import check_config, pipeline_strategy
+    from ddpkit.parallel.strategies.ddp import DDPStrategy
+    from ddpkit.parallel.strategies.hsdp import HSDPStrategy
+
+    assert [registry.picked(s) for s in ("one", "several", "tp", "offload")] == [
+        "single",
+        "ddp",
+        "zero2",
+        "fsdp",
+    ]
+    mine = [
+        registry.StrategyEntry("myddp", DDPStrategy, "ddp again", replicates=True, with_pp=True),
+        registry.StrategyEntry("myhsdp", HSDPStrategy, "hsdp again", over_dtensors=True, hybrid=True),
+    ]
+    try:
+        for entry in mine:
+            registry.register_strategy(entry)
+        assert pipeline_strategy("myddp", layout_of(4, 1, 2)) == "myddp"
+        with pytest.raises(UserError, match="dist.strategy=myddp cannot run over tensor-parallel"):
+            pipeline_strategy("myddp", layout_of(8, 2, 2))
+        cfg = load_config(None, ["dist.strategy=myhsdp"])
+        assert check_config(cfg, 8, per_node=4).dp_shard == 4
+        with pytest.raises(UserError, match="cannot run over the data-parallel ranks of a pipeline"):
+            pipeline_strategy("myhsdp", layout_of(4, 1, 2))  # it does not say with_pp
+    finally:
+        for entry in mine:
+            registry._REGISTRY.unregister(entry.name)
 
 
 def test_a_single_process_without_a_group_gets_the_plain_module():

@@ -68,7 +68,7 @@ def test_the_context_must_divide_over_tp_only_where_sequence_parallelism_splits_
     """Over gloo (and on a pipeline stage) the plan keeps the sequence whole, so any data.block_size runs; over
     NCCL on a whole model sequence parallelism splits it over the tensor ranks: one line before workers start."""
     from ddpkit.config import load_config
-    from ddpkit.parallel.mesh import check_config
+    from ddpkit.parallel.plan import check_config
 
     odd = [*GPT, "data.block_size=15", "dist.tp=2"]
     for backend in ("gloo", None):  # None: no process group (ddpkit.prepare, an in-process check)
@@ -122,7 +122,7 @@ def _batches():
 def _gpt():
     import torch
 
-    from ddpkit.models.gpt import GPT
+    from ddpkit.models.gpt.model import GPT
 
     torch.manual_seed(0)
     return GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
@@ -169,7 +169,7 @@ class TinyTransformer:
 
 
 def _train(model, opt, batches):
-    from ddpkit.models.gpt import lm_loss
+    from ddpkit.models.gpt.model import lm_loss
 
     for d in batches:
         lm_loss(model(d[:, :-1]), d[:, 1:]).backward()
@@ -228,7 +228,7 @@ def _assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
 
 
 def _layouts_on_two(rank, world_size):
-    from ddpkit.models.gpt import STACK
+    from ddpkit.models.gpt.model import STACK
 
     return {
         "tp2": _prepared_run(rank, world_size, _gpt, {"tp": 2}),
@@ -265,7 +265,7 @@ def test_sequence_parallelism_is_in_the_built_in_plan_over_nccl_only():
 
     from conftest import free_port
     from ddpkit.models.blocks import sequence_parallel_pays
-    from ddpkit.models.gpt import STACK
+    from ddpkit.models.gpt.model import STACK
 
     assert sequence_parallel_pays("nccl") and sequence_parallel_pays("cpu:gloo,cuda:nccl")
     assert not sequence_parallel_pays("gloo") and not sequence_parallel_pays("none")

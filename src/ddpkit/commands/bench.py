@@ -28,7 +28,9 @@ from ddpkit.commands.report import (
     png_bytes,
     write_bytes,
 )
+from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError, WorkerFailure
+from ddpkit.models import language_models
 
 DEFAULT_STEPS = 20
 # Used unless the config file or a KEY=VALUE sets them: synthetic data (no download, any size), the built-in CNN.
@@ -108,8 +110,8 @@ def check_child_inputs(cfg, args, n: int, steps: int) -> None:
 
 def _value(cfg, user: set[str], key: str) -> Any:
     """What the child runs with: the user's value, else bench's default, else the config's default."""
-    if key == "model.arch" and key not in user and _value(cfg, user, "data.dataset") == "text":
-        return "gpt"  # the model of text data
+    if key == "model.arch" and key not in user and get_dataset(_value(cfg, user, "data.dataset")).tokens:
+        return language_models()[0]  # the default language model, for token data
     if key in DEFAULTS and key not in user:
         return DEFAULTS[key]
     section, name = key.split(".")

@@ -31,10 +31,13 @@ def preload(cfg) -> list[str]:
 
 def info_command(cfg, args, ctx: DistContext) -> int:
     from ddpkit.parallel.mesh import layout_of, shard_degree
+    from ddpkit.parallel.strategy import get_strategy
 
     d = cfg.dist
     shard = d.dp_shard
-    if d.strategy == "hsdp":  # its default sharding group: the data-parallel ranks of one node
+    if (
+        d.strategy != "auto" and get_strategy(d.strategy).hybrid
+    ):  # by default the data-parallel ranks of a node
         shard = shard_degree(shard, layout_of(ctx.world_size, d.tp, d.pp).dp, d.tp, ctx.env.local_world_size)
     lines = gather_object_to(rank_line(ctx, d.tp, d.pp, shard))
     if lines is not None:

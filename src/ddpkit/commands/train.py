@@ -33,11 +33,14 @@ def preflight(cfg: Config) -> None:
 
 
 def model_and_data_modules(cfg: Config) -> list[str]:
-    """The modules that build cfg's model and data sets (the trainer's builders and what they import)."""
+    """The modules that build cfg's model and data sets (the trainer's builders and what they import, and what
+    the model's family and the data set's entry say they need)."""
+    from ddpkit.data.registry import get_dataset
+    from ddpkit.models import preload_for
+
     modules = ["ddpkit.train.builders", "ddpkit.config.safe_yaml", "ddpkit.data.builtin"]
-    if cfg.model.arch not in ("cnn", "mlp", "gpt") or cfg.data.dataset not in ("digits", "synthetic", "text"):
-        modules.append("torchvision")
-    return modules
+    wanted = [*preload_for(cfg.model.arch), *get_dataset(cfg.data.dataset).preload]
+    return modules + sorted(set(wanted), key=wanted.index)
 
 
 def preload(cfg: Config) -> list[str]:

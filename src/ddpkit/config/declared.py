@@ -52,6 +52,7 @@ _SECTIONS: dict[str, type] = {}  # section name -> its dataclass (set by config/
 _SETS: dict[type, KeySet] = {}  # key-set dataclass -> where it went, in declaration order
 _CHECKS: list[Callable[[Any], None]] = []
 _BEFORE: list[Callable[[dict[str, Any]], None]] = []
+_VALUES: dict[str, Callable[[], list[str]]] = {}  # dotted key -> what its owners' values mean (the reference)
 _state = {"loaded": False, "generation": 0}
 
 
@@ -125,6 +126,21 @@ def _remake(cls: type, fields: list[dataclasses.Field], hints: dict[str, Any]) -
 def key_sets(section: str | None = None) -> list[KeySet]:
     """The declared key sets (of `section`), in the order they were declared."""
     return [s for s in _SETS.values() if section is None or s.section == section]
+
+
+def declare_values(key: str, meanings: Callable[[], list[str]]) -> None:
+    """What the values of `key` mean, said by the registry that owns them (the model families' model.arch names,
+    the strategies' dist.strategy): `meanings()` gives one phrase per value, e.g. "gpt (the built-in ...)", and the
+    reference puts them where the key's meaning says `{values}`."""
+    _VALUES[key] = meanings
+
+
+def meaning(key: str, text: str) -> str:
+    """`text` (a key's meaning) with `{values}` replaced by what its owner says its values mean."""
+    if "{values}" not in text:
+        return text
+    load_declarers()
+    return text.replace("{values}", ", ".join(_VALUES[key]()))
 
 
 def check_with(check: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpkit.config.declared import key_sets
+from ddpkit.config.declared import key_sets, meaning
 from ddpkit.config.schema import MAX_TEXT, yaml_text
 from ddpkit.config.sections import key_specs, section_fields
 
@@ -52,5 +52,8 @@ def describe_keys() -> str:
 def _listed(specs) -> list[str]:
     out: list[str] = []
     for spec in specs:
-        out += [f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):", f"  {spec.meta.meaning}"]
+        out += [
+            f"- `{spec.key} = {yaml_text(spec.default)}` ({spec.type_text()}):",
+            f"  {meaning(spec.key, spec.meta.meaning)}",
+        ]
     return out

@@ -25,9 +25,8 @@ class DataConfig:
         "digits (scikit-learn's 8x8 handwritten digits, shipped with it), synthetic (generated), cifar10, "
         "cifar100, mnist, imagefolder (data.root/train/CLASS/* and data.root/val/CLASS/*), text (characters of "
         "data.root, a UTF-8 file or folder; left at its default: the running Python's standard-library sources, "
-        "for model.arch=gpt or llama), tokens (data.root/train.bin and val.bin: token ids, nanoGPT's format), "
-        "or a data set "
-        "registered with ddpkit.data.register_dataset or the ddpkit.datasets entry point",
+        "for a language model's model.arch), tokens (data.root/train.bin and val.bin: token ids, nanoGPT's "
+        "format), or a data set registered with ddpkit.data.register_dataset or the ddpkit.datasets entry point",
         nonblank=True,
     )
     root: str = opt("data", "the folder that holds the data set's files")
@@ -95,10 +94,8 @@ class ModelConfig:
 
     arch: str = opt(
         "cnn",
-        "cnn (small built-in CNN), mlp (built-in, no normalisation or dropout layers), a torchvision "
-        "classification model (resnet18, resnet50, ...), timm:NAME when timm is installed, or gpt (the built-in "
-        "GPT-2-style decoder, for data.dataset=text or tokens), or llama (the built-in Llama-style decoder: RoPE, "
-        "RMSNorm, SwiGLU, grouped-query attention)",
+        "the model: {values}, or a family registered with ddpkit.models.register_model or the ddpkit.models "
+        "entry point",
         aka=("type", "name"),
     )
     num_classes: int | None = opt(None, "output classes; null: the data set's", gt=0)
@@ -194,11 +191,8 @@ class DistConfig:
     )
     strategy: str = opt(
         "auto",
-        "what happens over the data-parallel ranks: auto (ddp with several, single with one), single, "
-        "dp (DataParallel in one process), ddp, zero1 (optimizer state sharded), zero2 (gradients and "
-        "optimizer state sharded, parameters kept), fsdp (ZeRO-3: parameters too; these two and hsdp also with "
-        "dist.tp / dist.pp), hsdp (fsdp in groups of dist.dp_shard ranks, replicated across them), or one "
-        "registered with ddpkit.parallel.register_strategy or the ddpkit.strategies entry point",
+        "what happens over the data-parallel ranks: {values}, or one registered with "
+        "ddpkit.parallel.register_strategy or the ddpkit.strategies entry point",
         nonblank=True,
     )
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)

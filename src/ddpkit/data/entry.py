@@ -62,7 +62,10 @@ class DatasetEntry:
     check: Callable[[Config], None] | None = None
     missing: Callable[[str], list[str]] | None = None  # files missing under a root (for download messages)
     downloads: bool = False  # data.download applies: rank 0 downloads while the others wait
-    tokens: bool = False  # samples are token sequences for a language model (model.arch=gpt), not images
+    tokens: bool = False  # samples are token sequences for a language model, not images
+    preload: tuple[
+        str, ...
+    ] = ()  # modules a worker imports to build it (the launch's fork server imports them)
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     @property

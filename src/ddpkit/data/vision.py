@@ -217,6 +217,7 @@ _ENTRIES = {
             check=_check_files("cifar10"),
             missing=_cifar_missing("cifar10"),
             downloads=True,
+            preload=("torchvision",),
         ),
         DatasetEntry(
             "cifar100",
@@ -226,6 +227,7 @@ _ENTRIES = {
             check=_check_files("cifar100"),
             missing=_cifar_missing("cifar100"),
             downloads=True,
+            preload=("torchvision",),
         ),
         DatasetEntry(
             "mnist",
@@ -235,6 +237,7 @@ _ENTRIES = {
             check=_check_files("mnist"),
             missing=_mnist_missing,
             downloads=True,
+            preload=("torchvision",),
         ),
         DatasetEntry(
             "imagefolder",
@@ -242,6 +245,7 @@ _ENTRIES = {
             label="ImageFolder",
             layout="train/CLASS/IMAGE and val/CLASS/IMAGE",
             check=_check_imagefolder,
+            preload=("torchvision",),
         ),
     )
 }

@@ -1,10 +1,11 @@
-"""Models by name: the registry of model families (built-in `cnn`/`mlp` in small.py, the GPT in gpt.py, the Llama
-in llama.py, torchvision classifiers, `timm:NAME`; one module each), the checks of model.arch against the data,
+"""Models by name: the registry of model families (the built-in `cnn`/`mlp`, the GPT, the Llama, `timm:NAME` and
+torchvision's classifiers: one folder each, named in `FAMILY_FOLDERS`), the checks of model.arch against the data,
 building the model with its pretrained weights (weights.py).
 
-Importing this package imports no torch (a config loads without it): the built-in families' modules are imported
-when the registry is first asked, and the config keys they own (models/keys.py) are declared now. torchvision and
-timm are imported inside the functions that need them, so `import ddpkit` stays light.
+Importing this package imports no torch (a config loads without it): each built-in folder's torch-free keys.py is
+read now (its `FamilyCard`: the config keys it owns, declared now, and what the command line asks of it before
+torch: `card_of`, `preload_for`, `language_models`); its model.py (the `ModelFamily`, with torch) is imported when
+the registry is first asked. torchvision and timm are imported inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
-from ddpkit.config.declared import before_keys, declare
+from ddpkit.config.declared import before_keys, declare, declare_values
 from ddpkit.errors import UserError
-from ddpkit.models.family import ModelFamily
-from ddpkit.models.keys import BUILTIN_KEYS
+from ddpkit.models.family import FamilyCard, ModelFamily
 from ddpkit.registry import Registry
 
 if TYPE_CHECKING:
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN",
+    "CARDS",
     "ENTRY_POINT_GROUP",
+    "FAMILY_FOLDERS",
     "MODEL_FAMILIES",
     "STRIP_PREFIXES",
     "TIMM_PREFIX",
@@ -35,10 +37,13 @@ __all__ = [
     "SmallCNN",
     "build_mlp",
     "build_model",
+    "card_of",
     "check_arch",
     "family_of_module",
+    "language_models",
     "load_matching",
     "model_family",
+    "preload_for",
     "read_weights",
     "register_model",
     "strip_prefixes",
@@ -46,13 +51,18 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "ddpkit.models"
-_FAMILY_MODULES = ("small", "gpt", "llama", "timm_models", "torchvision_models")
+# The built-in families, one folder each (keys.py: its card, torch-free; model.py: its family), in the order the
+# config reference lists them. Adding one is a folder and its name here.
+FAMILY_FOLDERS = ("small", "gpt", "llama", "timm", "torchvision")
+CARDS: tuple[FamilyCard, ...] = tuple(
+    importlib.import_module(f"{__name__}.{folder}.keys").CARD for folder in FAMILY_FOLDERS
+)
 _ELSEWHERE = {  # names importable from here, loaded from their modules (which import torch) when first used
-    "BUILTIN": "small",
-    "SmallCNN": "small",
-    "build_mlp": "small",
-    "TIMM_PREFIX": "timm_models",
-    "torchvision_names": "torchvision_models",
+    "BUILTIN": "small.model",
+    "SmallCNN": "small.model",
+    "build_mlp": "small.model",
+    "TIMM_PREFIX": "timm.model",
+    "torchvision_names": "torchvision.model",
     **dict.fromkeys(
         ("STRIP_PREFIXES", "check_weights_path", "load_matching", "log", "read_weights", "strip_prefixes"),
         "weights",
@@ -67,7 +77,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _builtin_families() -> list[ModelFamily]:
-    return [importlib.import_module(f"{__name__}.{m}").FAMILY for m in _FAMILY_MODULES]
+    return [importlib.import_module(f"{__name__}.{folder}.model").FAMILY for folder in FAMILY_FOLDERS]
 
 
 def _declare_keys(family: ModelFamily) -> None:
@@ -87,9 +97,29 @@ MODEL_FAMILIES: Registry[ModelFamily] = Registry(
     builtins=_builtin_families,
     added=_declare_keys,  # a family's own config keys join the schema when it is registered
 )
-for _arch, _sets in BUILTIN_KEYS.items():
-    for _keys in _sets:
-        declare("model", _keys, "model.arch", _arch)
+for _card in CARDS:
+    for _keys in _card.keys:
+        declare("model", _keys, "model.arch", _card.name)
+declare_values("model.arch", lambda: [card.summary for card in CARDS])
+
+
+def card_of(arch: str) -> FamilyCard | None:
+    """The card of the built-in family that owns `arch`, told without torch; None when no card can tell (a
+    torchvision name, a family of your own)."""
+    return next((c for c in CARDS if c.owns is not None and c.owns(arch)), None)
+
+
+def preload_for(arch: str) -> list[str]:
+    """The modules a worker imports to build model.arch=`arch`, besides torch and the trainer (the launch's fork
+    server imports them once): its card's; for a name no card tells, those of every family that may own it."""
+    card = card_of(arch)
+    cards = [card] if card is not None else [c for c in CARDS if c.owns is None]
+    return [module for c in cards for module in c.preload]
+
+
+def language_models() -> list[str]:
+    """The built-in language-model families' names, the default first (e.g. for data.dataset=text)."""
+    return [card.name for card in CARDS if card.tokens]
 
 
 @before_keys
@@ -99,11 +129,7 @@ def _load_named_family(given: dict[str, Any]) -> None:
     from importlib.metadata import entry_points
 
     arch = given.get("model.arch")
-    if (
-        isinstance(arch, str)
-        and arch not in BUILTIN_KEYS
-        and entry_points(group=ENTRY_POINT_GROUP, name=arch)
-    ):
+    if isinstance(arch, str) and card_of(arch) is None and entry_points(group=ENTRY_POINT_GROUP, name=arch):
         model_family(arch)
 
 
@@ -178,7 +204,7 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     if tokens and not family.tokens:
         raise UserError(
             f"data.dataset={dataset} holds text, but model.arch={arch} classifies images",
-            "use model.arch=gpt or llama",
+            f"use model.arch={' or '.join(language_models())}",
         )
     family.check_keys(cfg.model)
 
@@ -234,7 +260,7 @@ def build_model(
     image shape. `report` receives the line saying what the pretrained weights filled in (default: the
     `ddpkit.models` logger).
     """
-    from ddpkit.models import torchvision_models
+    from ddpkit.models.torchvision import model as torchvision_models
     from ddpkit.models.weights import load_matching, log, read_weights
 
     arch, pretrained = cfg.model.arch, cfg.model.pretrained

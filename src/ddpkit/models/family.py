@@ -1,9 +1,13 @@
 """What a model family is: the model.arch names it owns, a cheap check of a name, the builder, and its parallel
-facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes) and its
-own config keys, and optionally its converters to and from other weight formats (`HFConverter`: Hugging Face
-folders). Every family, built in or from a package, is one `ModelFamily` in the registry (ddpkit.models);
-parallel/, train/ and the weight formats (models/hf.py) ask the family and name no model. A stack-of-blocks model
-gets all of its parallel facts from one `ddpkit.models.blocks.BlockStack`."""
+facts (its tensor-parallel plan, where a pipeline cuts it, the blocks activation checkpointing re-computes), its
+FLOPs per token and its own config keys, and optionally its converters to and from other weight formats
+(`HFConverter`: Hugging Face folders). Every family, built in or from a package, is one `ModelFamily` in the
+registry (ddpkit.models); parallel/, train/, the commands and the weight formats (models/hf.py) ask the family and
+name no model. A stack-of-blocks model gets all of its parallel facts from one `ddpkit.models.blocks.BlockStack`.
+
+A built-in family is a folder of models/ (`gpt/`, `llama/`, ...): its torch-free `keys.py` holds its `FamilyCard`
+(what the command line asks before torch is imported: its config keys, what its names mean, whether it is a
+language model, what a worker imports to build it) and `model.py` its model and its `ModelFamily`."""
 
 from __future__ import annotations
 
@@ -17,6 +21,32 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class FamilyCard:
+    """What is known of a built-in family before torch is imported (its folder's keys.py): the questions the
+    command line asks while the workers start, and the config schema's. Its `ModelFamily` (model.py) takes its
+    name and keys from here (`ModelFamily(..., **CARD.fields())`); a test holds the two to the same facts."""
+
+    name: str
+    summary: str  # what its model.arch names mean, in the config reference: "gpt (the built-in ...)"
+    keys: tuple[type, ...] = ()  # its own config keys (ModelFamily.keys)
+    # the names it owns, told without torch (None: only its family can tell, e.g. torchvision's list)
+    owns: Callable[[str], bool] | None = None
+    tokens: bool = False  # a language model (trained on token sequences): ModelFamily.tokens
+    preload: tuple[str, ...] = ()  # modules a worker imports to build it, besides torch and the trainer
+
+    def fields(self) -> dict[str, Any]:
+        """The ModelFamily fields the card gives."""
+        return {"name": self.name, "keys": self.keys}
+
+
+def images_refused(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """ModelFamily.build of a language model's family: it reads token sequences, not images."""
+    raise UserError(
+        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text or tokens"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,10 @@ class ModelFamily:
     # (cfg.model, block_size, micro-batch) -> (parameters, bytes of activations kept for backward), before anything
     # is built: a size this machine cannot hold is refused in one line (models.check_arch); None: not estimated
     estimate: Callable[[Any, int, int], tuple[int, int]] | None = None
+    # (the whole language model, built on the meta device; data.block_size) -> its training FLOPs per token
+    # (metrics flops_per_token, mfu); None: models.flops.decoder_flops, the 6 N + 12 L d T of a model with
+    # n_layer and n_embd
+    flops_per_token: Callable[[nn.Module, int], int | None] | None = None
     # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
     # format would be one more field like it
     hf: HFConverter | None = None

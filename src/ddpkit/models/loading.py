@@ -62,7 +62,7 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
     if not family.tokens:
         raise UserError(
             f"checkpoint '{source}' is of model.arch={cfg.model.arch}, an image classifier, not a language model",
-            "give the checkpoint of a run with model.arch=gpt",
+            f"give the checkpoint of a run with model.arch={' or '.join(models.language_models())}",
         )
     sd = read_model(source) if is_sharded(source) else state["model"]
     if "tok_emb.weight" not in sd:

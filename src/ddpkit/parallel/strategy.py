@@ -1,22 +1,23 @@
-"""The strategy registry: one `StrategyEntry` per dist.strategy, and the `Strategy` interface the trainer,
-`ddpkit.prepare`, `save_state` and `ddpkit eval` call.
+"""The strategy registry: one `StrategyEntry` per dist.strategy, holding the facts others ask about it, and the
+`Strategy` interface the trainer, `ddpkit.prepare`, `save_state` and `ddpkit eval` call.
 
-Adding a strategy is one module that defines a `Strategy` subclass and registers its entry (see
-`ddpkit.parallel.strategies.ddp`), from inside ddpkit or from a package of your own (an entry point in the
-`ddpkit.strategies` group, loaded when its name is first asked for). Everything else (config validation,
-`prepare`, `save_state`, report, the trainer) asks the registry, never a list of names. Importing this module
-imports no torch, so the config can check a name cheaply.
+Adding a strategy is one module that defines a `Strategy` subclass and its entry (see
+`ddpkit.parallel.strategies.ddp`; a built-in one is named in `BUILTIN`), or a package of your own (an entry point
+in the `ddpkit.strategies` group, loaded when its name is first asked for, or `register_strategy`). Everything else
+(config validation, the layout plan (parallel/plan.py), `prepare`, `save_state`, report, the trainer) asks the
+entries' facts, never a name. Importing this module imports no torch, so the config can check a name cheaply.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpkit import _moved
-from ddpkit.config.declared import check_with
+from ddpkit.config.declared import check_with, declare_values
 from ddpkit.config.schema import yaml_text
 from ddpkit.errors import UserError
 from ddpkit.registry import Registry
@@ -30,6 +31,15 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "ddpkit.strategies"
 SHARDABLE = ("optimizer", "gradients", "parameters")
+BUILTIN = (
+    "single",
+    "dp",
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "hsdp",
+)  # modules of parallel/strategies/, in order
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,13 @@ class StrategyEntry:
     `compression`: registers a gradient-compression hook (dist.grad_compression);
     `recognizes(model, optimizer)`: true when prepared objects are this strategy's (save_state/load_state);
     `over_dtensors`: runs over the "dp" dim of a tensor-parallel model (its parameters DTensors);
-    `offloads`: keeps its shards in CPU memory under dist.offload=cpu.
+    `offloads`: keeps its shards in CPU memory under dist.offload=cpu;
+    `replicates`: every rank holds the whole parameters and all-reduces the gradients (DDP; a pipeline wraps
+    each stage in DDP, where the others shard each stage with FSDP2);
+    `with_pp`: runs over the data-parallel ranks of a pipeline (dist.pp);
+    `hybrid`: shards inside groups of dist.dp_shard ranks and replicates across the groups;
+    `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
+    replicas of a tensor-parallel model, "offload" dist.offload=cpu).
     """
 
     name: str
@@ -59,18 +75,47 @@ class StrategyEntry:
     recognizes: Callable[[Any, Any], bool] | None = None
     over_dtensors: bool = False
     offloads: bool = False
+    replicates: bool = False
+    with_pp: bool = False
+    hybrid: bool = False
+    auto: tuple[str, ...] = ()
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):
-        unknown = set(self.shards) - set(SHARDABLE)
-        if unknown:
-            raise ValueError(
-                f"strategy '{self.name}': shards must be among {SHARDABLE}, got {sorted(unknown)}"
-            )
+        for what, given, allowed in (("shards", self.shards, SHARDABLE), ("auto", self.auto, AUTO)):
+            unknown = set(given) - set(allowed)
+            if unknown:
+                raise ValueError(
+                    f"strategy '{self.name}': {what} must be among {tuple(allowed)}, got {sorted(unknown)}"
+                )
+
+    def describe(self) -> str:
+        """`zero2 (what it does; also with dist.tp and dist.pp)`: the config reference's line of it."""
+        also = " and ".join(
+            key for key, ok in (("dist.tp", self.over_dtensors), ("dist.pp", self.with_pp)) if ok
+        )
+        return f"{self.name} ({self.summary}{f'; also with {also}' if also else ''})"
+
+
+# dist.strategy=auto picks, by the situation (StrategyEntry.auto): what each phrase of the reference says
+AUTO = {
+    "several": "with several data-parallel processes",
+    "one": "with one",
+    "tp": "over the data-parallel ranks of a tensor-parallel model",
+    "offload": "with dist.offload=cpu",
+}
+
+
+def _builtin_entries() -> list[StrategyEntry]:
+    return [importlib.import_module(f"ddpkit.parallel.strategies.{name}").ENTRY for name in BUILTIN]
 
 
 _REGISTRY: Registry[StrategyEntry] = Registry(
-    "strategy", ENTRY_POINT_GROUP, StrategyEntry, "ddpkit.parallel.StrategyEntry"
+    "strategy",
+    ENTRY_POINT_GROUP,
+    StrategyEntry,
+    "ddpkit.parallel.StrategyEntry",
+    builtins=_builtin_entries,
 )
 
 
@@ -81,33 +126,32 @@ def register_strategy(entry: StrategyEntry, *, replace: bool = False) -> Strateg
     return _REGISTRY.register(entry, replace=replace)
 
 
-BUILTIN = (
-    "single",
-    "dp",
-    "ddp",
-    "zero1",
-    "zero2",
-    "fsdp",
-    "hsdp",
-)  # modules of ddpkit.parallel.strategies, in this order
-
-
-def _load_builtin() -> None:
-    import importlib
-
-    for name in BUILTIN:  # each module registers its entry
-        importlib.import_module(f"ddpkit.parallel.strategies.{name}")
-
-
 def strategy_names() -> list[str]:
     """Every registered strategy name (built-in ones first)."""
-    _load_builtin()
     return list(_REGISTRY)
+
+
+def picked(situation: str) -> str:
+    """The strategy dist.strategy=auto picks in `situation` (a key of AUTO): the first entry that says so."""
+    return next(name for name, entry in _REGISTRY.items() if situation in entry.auto)
+
+
+def names_with(fact: str) -> str:
+    """`zero2 or fsdp`: the registered strategies whose entry has `fact` (for a hint)."""
+    return " or ".join(name for name, entry in _REGISTRY.items() if getattr(entry, fact))
+
+
+def _described() -> list[str]:
+    """The reference's phrases of dist.strategy's values: auto's picks, then each built-in entry."""
+    picks = ", ".join(f"{picked(s)} {said}" for s, said in AUTO.items())
+    return [f"auto ({picks})", *(_REGISTRY[name].describe() for name in BUILTIN)]
+
+
+declare_values("dist.strategy", _described)
 
 
 def get_strategy(name: str, key: str = "dist.strategy") -> StrategyEntry:
     """The entry for strategy `name`; a UserError naming the valid ones when there is none."""
-    _load_builtin()
     entry = _REGISTRY.find(name)
     if entry is None:
         import difflib
@@ -141,18 +185,6 @@ def _check_config(cfg: Any) -> None:
             f"{knobs[0]} is a DDP setting, but dist.strategy={d.strategy} has no DDP wrapper",
             "use dist.strategy=ddp, zero1 or auto, or drop the setting",
         )
-
-
-def resolve_strategy(name: str, world_size: int) -> str:
-    """`auto` -> ddp with several processes, single with one; refuse combinations that cannot work."""
-    if name == "auto":
-        return "ddp" if world_size > 1 else "single"
-    if get_strategy(name).one_process and world_size > 1:
-        raise UserError(
-            f"dist.strategy={name} runs one process but {world_size} were started",
-            "use dist.strategy=ddp (or auto) with several processes",
-        )
-    return name
 
 
 def unwrap_module(model: nn.Module) -> nn.Module:
@@ -286,45 +318,9 @@ def ddp_options(dist_cfg: Any) -> dict:
     return out
 
 
-def build_strategy(
-    name: str,
-    ctx: DistContext,
-    ddp_options: dict | None = None,
-    compression: Compression | None = None,
-    *,
-    mesh: Any = None,
-    offload: str = "none",
-    dp_shard: int | None = None,
-) -> Strategy:
-    """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
-    `compression` registers its gradient hook (strategies whose entry says `compression`).
-
-    `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
-    `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
-    `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
-    """
-    import torch.distributed as dist
-
-    from ddpkit.parallel.mesh import Layout, strategy_over_dp
-
-    layout = Layout(ctx.world_size)
-    if mesh is not None:
-        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
-        layout = Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"])
-    entry = get_strategy(strategy_over_dp(name, layout, offload))
-    if entry.needs_group and not dist.is_initialized():
-        return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
-    strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
-    strategy.mesh, strategy.offload = mesh, offload
-    if dp_shard is not None:
-        strategy.dp_shard = dp_shard
-    return strategy
-
-
 def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
     """The Strategy that reads and writes this prepared model's and optimizer's full state (the first entry
     that recognizes them; the plain one otherwise)."""
-    _load_builtin()
     for entry in reversed(list(_REGISTRY.values())):  # the later, more specific entries first
         if entry.recognizes is not None and entry.recognizes(model, optimizer):
             return entry.cls(ctx)

@@ -22,7 +22,8 @@ from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
 from ddpkit.parallel.optimizer import rebuild_optimizer
-from ddpkit.parallel.strategy import Strategy, build_strategy, get_strategy, unwrap_module
+from ddpkit.parallel.plan import build_strategy
+from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
 from ddpkit.porting.roles import prepare_loader, remember_model, roles_for
 
 
@@ -100,7 +101,7 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
             f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",
             "e.g. prepare(model, opt, loader, pp=2, pp_split=['layers.2'], loss_fn=F.cross_entropy)",
         )
-    if strategy not in ("auto", "ddp"):
+    if strategy not in ("auto", picked("several")):  # the pipeline replicates each stage with DDP
         raise UserError(
             f"ddpkit.prepare(pp={pp}) runs DDP over the data-parallel replicas, not strategy='{strategy}'",
             "drop the strategy argument",
@@ -172,7 +173,7 @@ def prepare(
     if pp != 1 and tp != 1:
         raise UserError(
             f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
-            "use one of them with prepare(), or dist.tp and dist.pp with model.arch=gpt",
+            "use one of them with prepare(), or dist.tp and dist.pp with `ddpkit train`",
         )
     if pp != 1:
         return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)

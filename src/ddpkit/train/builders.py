@@ -20,7 +20,8 @@ from ddpkit.data.prefetch import (
 from ddpkit.distributed.collectives import rank_zero_first, seed_everything
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
-from ddpkit.parallel.mesh import Layout, build_mesh, check_config
+from ddpkit.parallel.mesh import Layout, build_mesh
+from ddpkit.parallel.plan import check_config
 from ddpkit.parallel.strategy import Strategy
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 

@@ -34,7 +34,8 @@ from ddpkit.launcher import startup
 from ddpkit.models import flops
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.compression import Compression
-from ddpkit.parallel.strategy import build_strategy, ddp_options
+from ddpkit.parallel.plan import build_strategy
+from ddpkit.parallel.strategy import ddp_options
 from ddpkit.train import curves, optim
 from ddpkit.train.builders import (
     load_weights,

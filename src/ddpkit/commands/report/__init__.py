@@ -16,7 +16,7 @@ from typing import Any
 
 from ddpkit.commands.outputs import add_force_flag, check_output
 from ddpkit.errors import UserError
-from ddpkit.parallel.strategy import resolve_strategy
+from ddpkit.parallel.plan import resolve_strategy
 from ddpkit.train.curves import (  # the run read back and its curves drawn, shared with the Trainer
     _PLOTTED,
     _PLOTTED_LM,
@@ -99,7 +99,7 @@ def summarize(run: Run, label: str, keys: list[str], target: float | None) -> di
     world = rows[-1].get("world_size")
     plotted_lm = _PLOTTED_LM if is_language_model(run) else ()
     strategy = run.config.get("dist.strategy", "auto")
-    if strategy == "auto":  # what `auto` resolved to (ddpkit.parallel.strategy.resolve_strategy)
+    if strategy == "auto":  # what `auto` resolved to (ddpkit.parallel.plan.resolve_strategy)
         strategy = resolve_strategy("auto", world or 1)
     return {
         "run": str(run.path),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.errors import UserError
-from ddpkit.parallel.strategy import get_strategy, strategy_names
+from ddpkit.parallel.strategy import get_strategy, names_with
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -58,11 +58,6 @@ def check_pipeline(cfg: Any, world_size: int | None = None) -> None:
     _check_split(cfg, d.pp * stages_per_rank(d.pp_schedule))
 
 
-def sharded_strategies() -> list[str]:
-    """The strategies that shard each stage with FSDP2 over a pipeline's data-parallel ranks."""
-    return [n for n in strategy_names() if get_strategy(n).over_dtensors]
-
-
 def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
     """(set, the setting, what to do instead) of every setting a pipeline cannot run with."""
     d, train, model = cfg.dist, cfg.train, cfg.model
@@ -78,15 +73,14 @@ def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
             "drop it: stage gradients go through plain DDP",
         ),
         (
-            d.strategy not in ("auto", "ddp", *sharded_strategies()),
+            d.strategy != "auto" and not get_strategy(d.strategy).with_pp,
             f"dist.strategy={d.strategy}",
-            f"use dist.strategy=ddp or {' or '.join(sharded_strategies())} (or auto) over the data-parallel "
-            "ranks of a pipeline",
+            f"use dist.strategy={names_with('with_pp')} (or auto) over the data-parallel ranks of a pipeline",
         ),
         (
             d.offload != "none",
             f"dist.offload={d.offload}",
-            "offload applies to fsdp and zero2, not to pipelines",
+            f"offload applies to {names_with('offloads')}, not to pipelines",
         ),
         (
             model.sync_bn,

@@ -1,1 +1,2 @@
-"""The built-in strategies, one module each; each registers its `StrategyEntry` when imported."""
+"""The built-in strategies, one module each; each declares its `StrategyEntry` (`ENTRY`), which
+the registry (parallel/strategy.py) registers when it is first asked."""

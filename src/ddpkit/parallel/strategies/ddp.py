@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -41,8 +41,13 @@ class DDPStrategy(Strategy):
         return contextlib.nullcontext() if sync else wrapped.no_sync()
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "ddp", DDPStrategy, "DistributedDataParallel: gradients all-reduced", ddp_knobs=True, compression=True
-    )
+ENTRY = StrategyEntry(
+    "ddp",
+    DDPStrategy,
+    "DistributedDataParallel: gradients all-reduced",
+    ddp_knobs=True,
+    compression=True,
+    replicates=True,
+    with_pp=True,
+    auto=("several",),
 )

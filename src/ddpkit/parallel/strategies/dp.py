@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 
 class DataParallelStrategy(Strategy):
@@ -17,8 +17,6 @@ class DataParallelStrategy(Strategy):
         return model
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "dp", DataParallelStrategy, "DataParallel in one process", one_process=True, needs_group=False
-    )
+ENTRY = StrategyEntry(
+    "dp", DataParallelStrategy, "DataParallel in one process", one_process=True, needs_group=False
 )

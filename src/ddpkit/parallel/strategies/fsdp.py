@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -104,15 +104,15 @@ def _recognizes(model, optimizer) -> bool:
     return isinstance(model, FSDPModule)
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "fsdp",
-        FSDPStrategy,
-        "FSDP2, ZeRO-3: parameters, gradients and optimizer state sharded",
-        shards=("optimizer", "gradients", "parameters"),
-        remakes_optimizer=True,
-        over_dtensors=True,
-        offloads=True,
-        recognizes=_recognizes,
-    )
+ENTRY = StrategyEntry(
+    "fsdp",
+    FSDPStrategy,
+    "FSDP2, ZeRO-3: parameters, gradients and optimizer state sharded",
+    shards=("optimizer", "gradients", "parameters"),
+    remakes_optimizer=True,
+    over_dtensors=True,
+    offloads=True,
+    with_pp=True,
+    auto=("offload",),
+    recognizes=_recognizes,
 )

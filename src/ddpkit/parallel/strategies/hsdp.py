@@ -10,7 +10,7 @@ with dist.tp and dist.pp as fsdp. Saved and loaded as fsdp's (save_state recogni
 from __future__ import annotations
 
 from ddpkit.parallel.strategies.fsdp import FSDPStrategy
-from ddpkit.parallel.strategy import StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import StrategyEntry
 
 
 class HSDPStrategy(FSDPStrategy):
@@ -37,13 +37,13 @@ class HSDPStrategy(FSDPStrategy):
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "hsdp",
-        HSDPStrategy,
-        "FSDP2 inside groups of dist.dp_shard ranks, replicated across the groups (hybrid sharding)",
-        shards=("optimizer", "gradients", "parameters"),
-        remakes_optimizer=True,
-        over_dtensors=True,
-    )
+ENTRY = StrategyEntry(
+    "hsdp",
+    HSDPStrategy,
+    "hybrid sharding: FSDP2 inside groups of dist.dp_shard ranks, replicated across the groups",
+    shards=("optimizer", "gradients", "parameters"),
+    remakes_optimizer=True,
+    over_dtensors=True,
+    with_pp=True,
+    hybrid=True,
 )

@@ -1,7 +1,7 @@
 """single: one process, the plain module."""
 
-from ddpkit.parallel.strategy import Strategy, StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
-ENTRY = register_strategy(
-    StrategyEntry("single", Strategy, "one process, the plain module", one_process=True, needs_group=False)
+ENTRY = StrategyEntry(
+    "single", Strategy, "one process, the plain module", one_process=True, needs_group=False, auto=("one",)
 )

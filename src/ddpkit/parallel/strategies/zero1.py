@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddpkit.parallel.strategies.ddp import DDPStrategy
-from ddpkit.parallel.strategy import StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import StrategyEntry
 
 
 class Zero1Strategy(DDPStrategy):
@@ -33,15 +33,14 @@ def _recognizes(model, optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "zero1",
-        Zero1Strategy,
-        "ddp with the optimizer state sharded (ZeroRedundancyOptimizer)",
-        shards=("optimizer",),
-        remakes_optimizer=True,
-        ddp_knobs=True,
-        compression=True,
-        recognizes=_recognizes,
-    )
+ENTRY = StrategyEntry(
+    "zero1",
+    Zero1Strategy,
+    "ddp with the optimizer state sharded by ZeroRedundancyOptimizer",
+    shards=("optimizer",),
+    remakes_optimizer=True,
+    ddp_knobs=True,
+    compression=True,
+    replicates=True,
+    recognizes=_recognizes,
 )

@@ -8,7 +8,7 @@ the whole parameters, as ddp and zero1 do. Saved and loaded as fsdp's (save_stat
 from __future__ import annotations
 
 from ddpkit.parallel.strategies.fsdp import FSDPStrategy
-from ddpkit.parallel.strategy import StrategyEntry, register_strategy
+from ddpkit.parallel.strategy import StrategyEntry
 
 
 class Zero2Strategy(FSDPStrategy):
@@ -16,14 +16,14 @@ class Zero2Strategy(FSDPStrategy):
     reshard_after_forward = False
 
 
-ENTRY = register_strategy(
-    StrategyEntry(
-        "zero2",
-        Zero2Strategy,
-        "FSDP2 without resharding after forward, ZeRO-2: gradients and optimizer state sharded",
-        shards=("optimizer", "gradients"),
-        remakes_optimizer=True,
-        over_dtensors=True,
-        offloads=True,
-    )
+ENTRY = StrategyEntry(
+    "zero2",
+    Zero2Strategy,
+    "FSDP2 without resharding after forward, ZeRO-2: gradients and optimizer state sharded",
+    shards=("optimizer", "gradients"),
+    remakes_optimizer=True,
+    over_dtensors=True,
+    offloads=True,
+    with_pp=True,
+    auto=("tp",),
 )

@@ -18,13 +18,14 @@ import torch
 import torch.nn as nn
 
 from ddpkit.models import model_family
-from ddpkit.parallel.mesh import build_mesh, layout_of, pipeline_strategy
+from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.plan import n_microbatches, stage_ids
 from ddpkit.parallel.pipeline.runner import PipelineRunner
 from ddpkit.parallel.pipeline.split import traced_stages
+from ddpkit.parallel.plan import build_strategy, pipeline_strategy
 from ddpkit.parallel.strategy import Strategy as BaseStrategy
-from ddpkit.parallel.strategy import build_strategy
+from ddpkit.parallel.strategy import get_strategy, picked
 from ddpkit.train.builders import to_device
 from ddpkit.train.metrics import RunningSums
 from ddpkit.train.tasks import EVAL_WIDTH
@@ -34,7 +35,9 @@ from ddpkit.train.tasks import EVAL_WIDTH
 class PipelineParts:
     runner: PipelineRunner
     layout: Any
-    strategy: str  # over the data-parallel ranks: ddp (DDP around each stage), or fsdp / zero2 / hsdp (FSDP2)
+    strategy: (
+        str  # over the data-parallel ranks: one that replicates (DDP around each stage) or shards (FSDP2)
+    )
     coords: dict
     modules: nn.ModuleList  # this rank's stages (what the optimizer and the memory probe see)
     fixed_batch: int | None  # traced stages take batches of exactly this size (evaluation pads to it)
@@ -91,7 +94,9 @@ def build(cfg, ctx, model: nn.Module, task, autocast, example_shape=None) -> Pip
 
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
     name, shard = pipeline_strategy(d.strategy, layout), None
-    if name != "ddp":  # FSDP2 over the dp dim of each (tensor-parallel) stage, as the strategy shards a model
+    if not get_strategy(
+        name
+    ).replicates:  # FSDP2 over the dp dim of each (tensor-parallel) stage, as it shards a model
         sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard)
 
         def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
@@ -146,7 +151,10 @@ class Strategy(BaseStrategy):
     def __init__(self, ctx, parts: PipelineParts):
         super().__init__(ctx)
         self.parts = parts
-        self.name = parts.strategy if parts.layout.dp > 1 or parts.strategy != "ddp" else "single"
+        replicated = get_strategy(
+            parts.strategy
+        ).replicates  # DDP around each stage: nothing to do over one dp
+        self.name = parts.strategy if parts.layout.dp > 1 or not replicated else picked("one")
 
     @property
     def stages(self) -> list[nn.Module]:

@@ -1,5 +1,5 @@
 """The built-in GPT-2-style decoder (`model.arch=gpt`, its family at the end), written so that every parallel
-layout can cut it.
+layout can cut it; Hugging Face's GPT-2 in and out is hf.py's.
 
 Shaped for tensor and pipeline parallelism:
 - attention has separate `wq`, `wk`, `wv` (column-parallel) and `wo` (row-parallel) projections, and counts its
@@ -13,19 +13,20 @@ Shaped for tensor and pipeline parallelism:
 
 from __future__ import annotations
 
+import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
-from ddpkit.models.family import HFConverter, ModelFamily
-from ddpkit.models.hf import need, refuse
-from ddpkit.models.keys import BUILTIN_KEYS
+from ddpkit.models.family import HFConverter, ModelFamily, images_refused
+from ddpkit.models.flops import decoder_flops
+from ddpkit.models.gpt import hf
+from ddpkit.models.gpt.keys import CARD
+from ddpkit.models.keys import activation_bytes, check_heads
 
 
 class CausalSelfAttention(nn.Module):
@@ -145,27 +146,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def estimate(n_layer: int, n_head: int, n_embd: int, block_size: int, batch: int) -> tuple[int, int]:
-    """(parameters, bytes of the activations one micro-batch keeps for backward) of a GPT, before building it;
-    the token embedding and head (the vocabulary's) left out. Activations: per block
-    batch x block x n_embd x (34 + 5 x n_head x block / n_embd) half-precision bytes (Korthikanti et al., 2022),
-    doubled for float32."""
+    """(parameters, bytes of the activations one micro-batch keeps for backward: models.keys.activation_bytes) of
+    a GPT, before building it; the token embedding and head (the vocabulary's) left out."""
     params = n_layer * (12 * n_embd * n_embd + 13 * n_embd) + block_size * n_embd + 2 * n_embd
-    per_block = batch * block_size * n_embd * (34 + 5 * n_head * block_size / n_embd)
-    return params, int(2 * n_layer * per_block)
+    return params, activation_bytes(n_layer, n_head, n_embd, block_size, batch)
 
 
 def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
     """estimate() from the `model` config section (ModelFamily.estimate)."""
     return estimate(m.n_layer, m.n_head, m.n_embd, block_size, batch)
-
-
-def check_heads(m: Any) -> None:
-    """The width fits the heads (ModelFamily.check_keys)."""
-    if m.n_embd % m.n_head:
-        raise UserError(
-            f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}",
-            "pick n_embd = n_head x the width of one head",
-        )
 
 
 def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module:
@@ -181,106 +170,6 @@ def _build_gpt(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Module
     )
 
 
-def _no_images(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
-    raise UserError(
-        f"model.arch={arch} is a language model: it reads text, not images", "use data.dataset=text or tokens"
-    )
-
-
-# Hugging Face's GPT-2 (GPT2LMHeadModel) in and out (models/hf.py reads and writes the folder). Its names and
-# shapes against the GPT's: `transformer.wte` = `tok_emb`, `wpe` = `pos_emb`, `h.N.ln_1/ln_2` = `blocks.N.ln1/ln2`,
-# `h.N.attn.c_attn` (a Conv1D: weight (in, 3 x out), q|k|v side by side) = `wq`, `wk`, `wv` (Linear: weight
-# (out, in)), `attn.c_proj` = `wo`, `mlp.c_fc` = `mlp.fc`, `mlp.c_proj` = `mlp.proj`, `ln_f` = `ln_f`, `lm_head` =
-# `head` (tied to `wte` unless tie_word_embeddings is false).
-GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": None, "gelu": "none"}
-
-
-def gpt2_shape(cfg: dict, folder: Path) -> dict[str, Any]:
-    """The GPT's constructor arguments for a GPT-2 config.json; UserError for what the GPT cannot hold."""
-    n_embd = need(cfg, "n_embd", folder)
-    act = GELU.get(cfg.get("activation_function", "gelu_new"))
-    unsupported = [
-        (act is None, f"activation_function={cfg.get('activation_function')}"),
-        (cfg.get("n_inner") not in (None, 4 * n_embd), f"n_inner={cfg.get('n_inner')} (not 4 x n_embd)"),
-        (cfg.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon={cfg.get('layer_norm_epsilon')}"),
-        (cfg.get("scale_attn_weights", True) is not True, "scale_attn_weights=false"),
-        (cfg.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=true"),
-    ]
-    refuse(unsupported, folder, "GPT")
-    return {
-        "vocab_size": need(cfg, "vocab_size", folder),
-        "block_size": need(cfg, "n_positions", folder),
-        "n_layer": need(cfg, "n_layer", folder),
-        "n_head": need(cfg, "n_head", folder),
-        "n_embd": n_embd,
-        "gelu_approximate": act,
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
-    }
-
-
-def _gpt2_pairs(n_layer: int):
-    """(our name, GPT2LMHeadModel's name, stored transposed) of every tensor but the fused q|k|v and the head."""
-    t = "transformer."
-    yield "tok_emb.weight", f"{t}wte.weight", False
-    yield "pos_emb.weight", f"{t}wpe.weight", False
-    for part in ("weight", "bias"):
-        yield f"ln_f.{part}", f"{t}ln_f.{part}", False
-    for i in range(n_layer):
-        h, b = f"{t}h.{i}.", f"blocks.{i}."
-        for part in ("weight", "bias"):
-            yield f"{b}ln1.{part}", f"{h}ln_1.{part}", False
-            yield f"{b}ln2.{part}", f"{h}ln_2.{part}", False
-        for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            yield f"{b}{ours}.weight", f"{h}{theirs}.weight", True  # Conv1D: weight (in, out)
-            yield f"{b}{ours}.bias", f"{h}{theirs}.bias", False
-
-
-def gpt2_to_gpt(hf: dict[str, torch.Tensor], shape: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A GPT2LMHeadModel's (or GPT2Model's) tensors under the GPT's names."""
-    n_layer = shape["n_layer"]
-    hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf.items()}
-    out = {ours: hf[theirs].t() if flip else hf[theirs] for ours, theirs, flip in _gpt2_pairs(n_layer)}
-    for i in range(n_layer):
-        h, b = f"transformer.h.{i}.attn.c_attn.", f"blocks.{i}.attn."
-        w, bias = hf[h + "weight"].t(), hf[h + "bias"]  # q|k|v side by side
-        for name, wp, bp in zip(("wq", "wk", "wv"), w.chunk(3, 0), bias.chunk(3, 0), strict=True):
-            out[f"{b}{name}.weight"], out[f"{b}{name}.bias"] = wp, bp
-    out["head.weight"] = out["tok_emb.weight"] if shape["tie_embeddings"] else hf["lm_head.weight"]
-    return out
-
-
-def gpt_to_gpt2(model: GPT) -> dict[str, torch.Tensor]:
-    """The GPT's state dict under GPT2LMHeadModel's names (the inverse of gpt2_to_gpt)."""
-    sd = model.state_dict()
-    out = {theirs: sd[ours].t() if flip else sd[ours] for ours, theirs, flip in _gpt2_pairs(model.n_layer)}
-    for i in range(model.n_layer):
-        h, b = f"transformer.h.{i}.attn.c_attn.", f"blocks.{i}.attn."
-        out[h + "weight"] = torch.cat([sd[f"{b}{n}.weight"] for n in ("wq", "wk", "wv")], 0).t()
-        out[h + "bias"] = torch.cat([sd[f"{b}{n}.bias"] for n in ("wq", "wk", "wv")], 0)
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    return out
-
-
-def gpt2_config(m: GPT) -> dict[str, Any]:
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": m.vocab_size,
-        "n_positions": m.block_size,
-        "n_embd": m.n_embd,
-        "n_layer": m.n_layer,
-        "n_head": m.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new" if m.gelu_approximate == "tanh" else "gelu",
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "tie_word_embeddings": bool(m.tie_embeddings),
-    }
-
-
 # its parallel facts: Megatron-style tensor parallelism (q, k, v and the MLP's fc column-parallel, the attention's
 # output and the MLP's proj row-parallel), pipeline stages cut at its blocks, each block re-computed
 STACK = BlockStack(
@@ -290,16 +179,17 @@ STACK = BlockStack(
 )
 
 FAMILY = ModelFamily(
-    "gpt",
-    owns=lambda arch: arch == "gpt",
-    build=_no_images,
-    names=lambda: ["gpt"],
+    **CARD.fields(),
+    owns=CARD.owns,
+    build=images_refused,
+    names=lambda: [CARD.name],
     build_lm=_build_gpt,
     module_types=(GPT,),
     **STACK.family_fields(),
-    keys=BUILTIN_KEYS["gpt"],
-    hf=HFConverter("gpt2", "GPT-2", gpt2_shape, gpt2_to_gpt, GPT, gpt2_config, gpt_to_gpt2),
+    hf=HFConverter("gpt2", "GPT-2", hf.gpt2_shape, hf.gpt2_to_gpt, GPT, hf.gpt2_config, hf.gpt_to_gpt2),
     check_keys=check_heads,
     estimate=estimate_of,
+    # the learned position embedding costs no multiply (the PaLM estimate leaves it out)
+    flops_per_token=functools.partial(decoder_flops, free=("pos_emb.",)),
     order=200,
 )

@@ -1,10 +1,10 @@
 """The built-in Llama-style decoder (`model.arch=llama`, its family at the end): rotary position embeddings (RoPE,
 base model.rope_theta), RMSNorm, a SwiGLU MLP and grouped-query attention (model.n_kv_head key/value heads shared
 by groups of the model.n_head query heads), no biases; the head tied to the token embedding when
-model.tie_embeddings. It holds the Llama architecture of Hugging Face transformers exactly (its `HFConverter`
-at the end maps the names).
+model.tie_embeddings. It holds the Llama architecture of Hugging Face transformers exactly (hf.py maps the
+names; its `HFConverter` is part of the family at the end).
 
-Shaped like the GPT (models/gpt.py) for the parallel layouts: separate `wq`, `wk`, `wv`, `wo` and `gate`, `up`,
+Shaped like the GPT (models/gpt/model.py) for the parallel layouts: separate `wq`, `wk`, `wv`, `wo` and `gate`, `up`,
 `down` projections (column- and row-parallel), heads counted from the tensor a rank gets, blocks in a ModuleDict
 keyed "0", "1", ..., and `forward` skipping a part set to None.
 """
@@ -12,7 +12,6 @@ keyed "0", "1", ..., and `forward` skipping a part set to None.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +20,10 @@ import torch.nn.functional as F
 
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
-from ddpkit.models.family import HFConverter, ModelFamily
-from ddpkit.models.gpt import _no_images, check_heads
-from ddpkit.models.gpt import estimate as gpt_estimate
-from ddpkit.models.hf import need, refuse
-from ddpkit.models.keys import BUILTIN_KEYS
+from ddpkit.models.family import HFConverter, ModelFamily, images_refused
+from ddpkit.models.keys import activation_bytes, check_heads
+from ddpkit.models.llama import hf
+from ddpkit.models.llama.keys import CARD
 
 
 def swiglu_width(n_embd: int, given: int | None) -> int:
@@ -173,96 +171,6 @@ def _build_llama(arch: str, vocab_size: int, block_size: int, m: Any) -> nn.Modu
     )
 
 
-# Hugging Face's Llama (LlamaForCausalLM) in and out (models/hf.py reads and writes the folder); its names are the
-# Llama's one for one: `model.embed_tokens` = `tok_emb`, `model.layers.N.input_layernorm/post_attention_layernorm`
-# = `blocks.N.ln1/ln2`, `self_attn.q/k/v/o_proj` = `attn.wq/wk/wv/wo`, `mlp.gate/up/down_proj` = `mlp.gate/up/down`,
-# `model.norm` = `ln_f`, `lm_head` = `head`.
-LLAMA_PARTS = {
-    "ln1": "input_layernorm",
-    "ln2": "post_attention_layernorm",
-    "attn.wq": "self_attn.q_proj",
-    "attn.wk": "self_attn.k_proj",
-    "attn.wv": "self_attn.v_proj",
-    "attn.wo": "self_attn.o_proj",
-    "mlp.gate": "mlp.gate_proj",
-    "mlp.up": "mlp.up_proj",
-    "mlp.down": "mlp.down_proj",
-}
-
-
-def llama_shape(cfg: dict, folder: Path) -> dict[str, Any]:
-    """The Llama's constructor arguments for a Llama config.json; UserError for what it cannot hold."""
-    n_embd, n_head = need(cfg, "hidden_size", folder), need(cfg, "num_attention_heads", folder)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-    refuse(
-        [
-            (cfg.get("hidden_act", "silu") != "silu", f"hidden_act={cfg.get('hidden_act')}"),
-            (cfg.get("attention_bias") or cfg.get("mlp_bias"), "biases (attention_bias or mlp_bias)"),
-            (kind != "default", f"RoPE scaling {kind!r}"),
-            (not isinstance(theta, int | float) or theta <= 0, f"rope_theta={theta}"),
-            (cfg.get("head_dim", n_embd // n_head) * n_head != n_embd, f"head_dim={cfg.get('head_dim')}"),
-        ],
-        folder,
-        "Llama",
-    )
-    return {
-        "vocab_size": need(cfg, "vocab_size", folder),
-        "block_size": need(cfg, "max_position_embeddings", folder),
-        "n_layer": need(cfg, "num_hidden_layers", folder),
-        "n_head": n_head,
-        "n_embd": n_embd,
-        "n_kv_head": cfg.get("num_key_value_heads") or n_head,
-        "ffn_hidden": need(cfg, "intermediate_size", folder),
-        "rope_theta": float(theta),
-        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    }
-
-
-def llama_to_ours(hf: dict[str, torch.Tensor], shape: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = {"tok_emb.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"]}
-    for i in range(shape["n_layer"]):
-        for ours, theirs in LLAMA_PARTS.items():
-            out[f"blocks.{i}.{ours}.weight"] = hf[f"model.layers.{i}.{theirs}.weight"]
-    out["head.weight"] = out["tok_emb.weight"] if shape["tie_embeddings"] else hf["lm_head.weight"]
-    return out
-
-
-def ours_to_llama(model: Llama) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
-    out = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["ln_f.weight"]}
-    for i in range(model.n_layer):
-        for ours, theirs in LLAMA_PARTS.items():
-            out[f"model.layers.{i}.{theirs}.weight"] = sd[f"blocks.{i}.{ours}.weight"]
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    return out
-
-
-def llama_config(m: Llama) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "max_position_embeddings": m.block_size,
-        "hidden_size": m.n_embd,
-        "intermediate_size": m.ffn_hidden,
-        "num_hidden_layers": m.n_layer,
-        "num_attention_heads": m.n_head,
-        "num_key_value_heads": m.n_kv_head,
-        "head_dim": m.n_embd // m.n_head,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(m.tie_embeddings),
-    }
-
-
 # its parallel facts: as the GPT's, the SwiGLU's gate and up column-parallel and its down row-parallel, the
 # key/value heads split over dist.tp too
 STACK = BlockStack(
@@ -284,25 +192,26 @@ def check_keys(m: Any) -> None:
 
 def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
     """(parameters, activation bytes) before building (ModelFamily.estimate): the attention's projections (the
-    keys' and values' for n_kv_head heads), the SwiGLU's three, the norms; the activations as the GPT's."""
+    keys' and values' for n_kv_head heads), the SwiGLU's three, the norms; the activations as every decoder's (models.keys.activation_bytes)."""
     head = m.n_embd // max(1, m.n_head)
     kv = (m.n_kv_head or m.n_head) * head
     hidden = swiglu_width(m.n_embd, m.ffn_hidden)
     per_layer = 2 * m.n_embd * m.n_embd + 2 * m.n_embd * kv + 3 * m.n_embd * hidden + 2 * m.n_embd
-    _, activations = gpt_estimate(m.n_layer, m.n_head, m.n_embd, block_size, batch)
+    activations = activation_bytes(m.n_layer, m.n_head, m.n_embd, block_size, batch)
     return m.n_layer * per_layer + m.n_embd, activations
 
 
 FAMILY = ModelFamily(
-    "llama",
-    owns=lambda arch: arch == "llama",
-    build=_no_images,
-    names=lambda: ["llama"],
+    **CARD.fields(),
+    owns=CARD.owns,
+    build=images_refused,
+    names=lambda: [CARD.name],
     build_lm=_build_llama,
     module_types=(Llama,),
     **STACK.family_fields(),
-    keys=BUILTIN_KEYS["llama"],
-    hf=HFConverter("llama", "Llama", llama_shape, llama_to_ours, Llama, llama_config, ours_to_llama),
+    hf=HFConverter(
+        "llama", "Llama", hf.llama_shape, hf.llama_to_ours, Llama, hf.llama_config, hf.ours_to_llama
+    ),
     check_keys=check_keys,
     estimate=estimate_of,
     order=300,

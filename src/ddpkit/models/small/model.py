@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ddpkit.models.family import ModelFamily
+from ddpkit.models.small.keys import CARD, NAMES
 
 
 def _conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
@@ -55,12 +56,14 @@ def build_mlp(num_classes: int, in_channels: int, image_size: int, hidden=(256, 
     )
 
 
-BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"cnn": SmallCNN, "mlp": build_mlp}
+BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = dict(
+    zip(NAMES, (SmallCNN, build_mlp), strict=True)
+)
 
 
 FAMILY = ModelFamily(
-    "builtin",
-    owns=lambda arch: arch in BUILTIN,
+    **CARD.fields(),
+    owns=CARD.owns,
     build=lambda arch, n, c, size: BUILTIN[arch](n, c, size),
     names=lambda: list(BUILTIN),
     order=100,

@@ -9,8 +9,8 @@ from torch import nn
 
 from ddpkit.errors import UserError
 from ddpkit.models.family import ModelFamily
-
-TIMM_PREFIX = "timm:"
+from ddpkit.models.timm.keys import CARD
+from ddpkit.models.timm.keys import PREFIX as TIMM_PREFIX
 
 
 def _import_timm() -> Any:
@@ -41,8 +41,8 @@ def _build_timm(arch: str, num_classes: int, in_channels: int, image_size: int) 
 
 
 FAMILY = ModelFamily(
-    "timm",
-    owns=lambda arch: arch.startswith(TIMM_PREFIX),
+    **CARD.fields(),
+    owns=CARD.owns,
     build=_build_timm,
     check=_check_timm,
     order=400,

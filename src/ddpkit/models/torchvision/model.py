@@ -10,6 +10,7 @@ from torch import nn
 
 from ddpkit.errors import UserError
 from ddpkit.models.family import ModelFamily
+from ddpkit.models.torchvision.keys import CARD
 
 
 def torchvision_names() -> list[str]:
@@ -76,7 +77,7 @@ def resnet_splits(arch: str, n_stages: int) -> list[str]:
 
 
 FAMILY = ModelFamily(
-    "torchvision",
+    **CARD.fields(),
     owns=lambda arch: arch in torchvision_names(),
     build=_build_torchvision,
     names=torchvision_names,
