@@ -138,12 +138,16 @@ def kind_of(mode: int) -> str:
 
 def check_regular(path: str | os.PathLike) -> os.stat_result | None:
     """os.stat(path) when it is a regular file, None when nothing is there; NotRegularFile (naming the kind)
-    for a FIFO, device, socket or folder, which opening would block on or misread. Use open_regular where
+    for a FIFO, device, socket, folder or symlink loop, which opening would block on or misread. Use open_regular where
     ddpkit opens the file itself (no window between the check and the open)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink loop", str(path)) from None
+        raise
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFile(errno.EINVAL, kind_of(st.st_mode), str(path))
     return st

@@ -7,6 +7,9 @@ its line (`report`), so a job of N ranks prints one line, not N.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 
 class UserError(Exception):
     """A mistake the user can fix: bad config, bad flag, missing data, impossible launch.
@@ -136,3 +139,14 @@ def describe_os_error(e: OSError) -> tuple[str, str]:
     if e.errno == errno.EIO:
         return f"input/output error on{where}", "the disk or network file system failed: check it, then rerun"
     return f"{cause}:{where}" if where else cause, "check the file and the disk it is on, then rerun"
+
+
+@contextlib.contextmanager
+def held_warnings():
+    """Python warnings raised inside (torch's about a file it reads: "Detected pickle protocol 4") are shown only
+    when the block succeeds: a file ddpkit refuses gets its one line, not the warnings about it first."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:  # the block succeeded: they are shown as they would have been
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

@@ -11,11 +11,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddpkit.atomicio import atomic_write, sweep_temporaries
-from ddpkit.errors import UserError, first_line
+from ddpkit.atomicio import NotRegularFile, atomic_write, check_regular, sweep_temporaries
+from ddpkit.errors import UserError, first_line, held_warnings
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.(pt|dcp)$")
 TRAIN_KEYS = ("model", "epoch", "step")  # what every `ddpkit train` checkpoint holds
+CHECKPOINT_HINT = "point to a .pt file or .dcp folder written by ddpkit train"
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -61,6 +62,11 @@ def unreadable_reason(e: BaseException) -> str:
 
 
 def _not_a_file(path: Path) -> UserError:
+    try:
+        check_regular(path)
+    except NotRegularFile as e:
+        if not path.is_dir():  # a FIFO or device would be waited on or misread; a symlink loop never opens
+            return UserError(f"checkpoint '{path}' is {e.strerror}, not a checkpoint file", CHECKPOINT_HINT)
     if path.is_dir():
         names = [path / "checkpoints" / "last.pt", path / "last.pt"]
         names += [path / "checkpoints" / "last.dcp", path / "last.dcp"]
@@ -111,7 +117,8 @@ def load_checkpoint(
     if _is_sharded(path):
         return _load_sharded_side(path, require)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with held_warnings():  # torch's warnings about a file refused here are not shown
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:  # permissions, I/O errors: the file is there but cannot be read
         if e.errno == errno.EINVAL:  # torch's zip reader on a file cut short: not the disk's fault
             raise UserError(

@@ -28,6 +28,7 @@ from torch import nn
 from ddpkit.checkpoint import dcp_io
 from ddpkit.checkpoint import state_dict as sd_mod
 from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE
+from ddpkit.errors import UserError
 
 FORMAT = "ddpkit.sharded/1"
 SIDE = "state.pt"
@@ -244,5 +245,10 @@ def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for k, e in dcp_io.tensor_entries(md).items()
         if k.startswith(MODEL)
     }
-    _dcp_load(Path(path), template)
+    try:
+        _dcp_load(Path(path), template)
+    except ValueError as e:  # a damaged shard: what train and eval say too, as one line
+        raise UserError(
+            f"checkpoint '{path}': {e}", "give another checkpoint of the run (such as an epoch_NNNN.dcp)"
+        ) from None
     return {k[len(MODEL) :]: v for k, v in template.items()}

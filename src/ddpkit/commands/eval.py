@@ -7,6 +7,7 @@ import json
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
 from ddpkit.config import Config, load_config
+from ddpkit.data.text import tokenizer
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import Strategy
@@ -35,6 +36,7 @@ def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     if isinstance(state.get("config"), dict):  # the model and data it was trained on; command-line keys win
         cfg = load_config(args.config, args.overrides, base=state["config"])
     _, val_set, spec = make_datasets(cfg)
+    tokenizer.check_trained_with(cfg, spec.tokenizer, state.get("tokenizer"), path)
     model = make_model(cfg, ctx, spec, for_eval=True)
     load_weights(Strategy(ctx), model, state, path, cfg.model.arch)
     batch_size = cfg.eval.batch_size or cfg.train.batch_size

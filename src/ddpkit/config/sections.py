@@ -60,8 +60,8 @@ class DataConfig:
     )
     vocab_size: int | None = opt(
         None,
-        "bpe: the most tokens to train (at least 256; null: 1024; a short text may give fewer); tokens: every id is below it (null: 1 + the "
-        "largest id of the files)",
+        "bpe: the most tokens to train (at least 256, at most 1048576; null: 1024; a short text may give fewer); "
+        "tokens: every id is below it (null: 1 + the largest id of the files)",
         gt=0,
         le=2**32,
     )

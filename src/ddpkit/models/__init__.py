@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
 from ddpkit.config.declared import before_keys, declare, declare_values
 from ddpkit.errors import UserError
@@ -211,11 +211,6 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
 
 # float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
 BYTES_PER_PARAM = 16
-
-
-def machine_memory() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _check_size(cfg: Config, family: ModelFamily) -> None:

@@ -28,6 +28,7 @@ class Loaded:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path` itself when it is a checkpoint; in a run directory (or its checkpoints/ folder) the best checkpoint,
     else the last; UserError when there is none."""
+    from ddpkit.checkpoint import check_file
     from ddpkit.checkpoint.sharded import is_sharded
 
     p = Path(os.path.expanduser(str(path)))
@@ -35,6 +36,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         return p
     if not p.exists():
         raise UserError(f"'{path}' does not exist", "give a run directory (out_dir) or a checkpoint in it")
+    if not p.is_dir():
+        check_file(p)  # a FIFO or device: named as what it is
     for folder in (p / "checkpoints", p):
         for name in NAMES:
             if (folder / name).is_file() or is_sharded(folder / name):

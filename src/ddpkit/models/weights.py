@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, held_warnings
 
 log = logging.getLogger("ddpkit.models")
 
@@ -39,7 +39,8 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     """A state_dict from a weights file or a ddpkit checkpoint, read on the CPU with weights_only=True."""
     full = check_weights_path(path)
     try:
-        obj = torch.load(full, map_location="cpu", weights_only=True)
+        with held_warnings():  # torch's warnings about a file refused here are not shown
+            obj = torch.load(full, map_location="cpu", weights_only=True)
     except OSError as e:
         raise UserError(
             f"cannot read model.pretrained file '{path}': {e.strerror or e}", "check the file's permissions"

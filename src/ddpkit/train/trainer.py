@@ -20,9 +20,10 @@ import torch.nn as nn
 
 from ddpkit import config as config_mod
 from ddpkit import data
-from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text
 from ddpkit.config import Config
 from ddpkit.data.prefetch import DeviceBatches
+from ddpkit.data.text import tokenizer
 from ddpkit.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -286,6 +287,7 @@ class Trainer:
     def _load(self, path: str) -> dict[str, Any]:
         """A checkpoint into the model, optimizer, schedule, scaler and train state on every rank (no writes)."""
         ckpt = load_checkpoint(path, map_location="cpu", require=TRAIN_KEYS)
+        tokenizer.check_trained_with(self.cfg, self.spec.tokenizer, ckpt.get("tokenizer"), path)
         load_weights(self.strategy, self.wrapped, ckpt, path, self.cfg.model.arch, self.optimizer)
         if "scheduler" in ckpt:
             self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -318,10 +320,7 @@ class Trainer:
     def _save_tokenizer(self) -> None:
         """out_dir/tokenizer.json: the language model's tokenizer, for eval, a resume and `ddpkit generate`."""
         if self.ctx.is_main and self.spec.tokenizer:
-            from ddpkit.checkpoint import save_text
-            from ddpkit.data.text.tokenizer import FILE
-
-            save_text(Path(self.cfg.out_dir) / FILE, self.spec.tokenizer)
+            save_text(Path(self.cfg.out_dir) / tokenizer.FILE, self.spec.tokenizer)
 
     def _more_to_train(self) -> bool:
         return self.state.epoch < self.cfg.train.epochs and self.state.step < self.total_steps

@@ -13,27 +13,57 @@ from collections.abc import Sequence
 
 import torch
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
+
+# The stated ranges of the flags (docs/cli.md): a temperature below MIN_TEMPERATURE overflows the logits it
+# divides; a seed is what torch.Generator takes; --max-new-tokens at most CONTEXTS contexts of the model.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+MAX_SEED = 2**63 - 1
+CONTEXTS = 16
 
 
-def _nonneg_float(text: str) -> float:
+def _temperature(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}, not {first_line(text, 40)}"
+        )
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an integer > 0, not {text}")
-    return value
+def _integer(low: int, high: int | None = None):
+    """An argparse type: an integer from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, not {first_line(text, 40)}")
+        return value
+
+    return parse
+
+
+def check_bounds(args: argparse.Namespace, block_size: int, vocab: int) -> None:
+    """UserError when --max-new-tokens or --top-k exceed what the model allows."""
+    most = CONTEXTS * block_size
+    if args.max_new_tokens > most:
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} is over {CONTEXTS} times this model's context of "
+            f"{block_size} tokens ({most})",
+            f"give at most {most}, and run generate again on its output for more",
+        )
+    if args.top_k is not None and args.top_k > vocab:
+        raise UserError(
+            f"--top-k {args.top_k} is over this model's vocabulary of {vocab} tokens",
+            f"give at most {vocab}, or leave --top-k out to sample from every token",
+        )
 
 
 @torch.no_grad()
@@ -70,10 +100,27 @@ def parser():
     p = CommandParser(prog="ddpkit generate", description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run's out_dir, or a .pt / .dcp checkpoint")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=_positive, default=100, help="tokens to add (default 100)")
-    p.add_argument("--temperature", type=_nonneg_float, default=1.0, help="0: greedy (default 1.0)")
-    p.add_argument("--top-k", type=_positive, default=None, help="sample among the K likeliest tokens only")
-    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_integer(1),
+        default=100,
+        help=f"tokens to add, at most {CONTEXTS} times the model's context (default 100)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=1.0,
+        help=f"0: greedy, else from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g} (default 1.0)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_integer(1),
+        default=None,
+        help="sample among the K likeliest tokens only (at most the vocabulary's size)",
+    )
+    p.add_argument(
+        "--seed", type=_integer(0, MAX_SEED), default=0, help="the sampling generator's seed (default 0)"
+    )
     return p
 
 
@@ -91,6 +138,7 @@ def generate_command(argv: Sequence[str]) -> int:
             "train with data.dataset=text, or give data.dataset=tokens its data.tokenizer_file",
         )
     tok = from_json(loaded.tokenizer, f"the tokenizer of '{loaded.source}'")
+    check_bounds(args, loaded.model.block_size, loaded.model.vocab_size)
     ids = encode_prompt(tok, args.prompt)
     out = sample(loaded.model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tok.decode(out[len(ids) :]), flush=True)

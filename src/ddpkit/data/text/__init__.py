@@ -140,18 +140,18 @@ def encode(text: str) -> tuple[torch.Tensor, list[str]]:
 
 
 def _check(cfg: Config) -> None:
-    read_text(
-        cfg
-    )  # bounded by data.text_bytes: a binary, empty or short source fails before any worker starts
+    # bounded by data.text_bytes: a binary, empty or short source fails before any worker starts
+    text = read_text(cfg)
     if cfg.data.tokenizer_file and cfg.data.tokenizer != "bpe":
         raise UserError(
             "data.tokenizer_file is set but data.tokenizer=char trains no tokenizer", "add data.tokenizer=bpe"
         )
     if cfg.data.tokenizer == "bpe":
-        if cfg.data.tokenizer_file:
-            tokenizer.from_json(tokenizer.read_file(cfg.data.tokenizer_file), "data.tokenizer_file")
-        else:
-            tokenizer.vocab_size(cfg.data.vocab_size)
+        tokenizer.vocab_size(cfg.data.vocab_size)
+        found = _given_tokenizer(cfg)
+        if found is not None:  # a file is hostile input: tried on the text before anything is written
+            json_text, where = found
+            tokenizer.try_on(tokenizer.from_json(json_text, where), text, where)
 
 
 def _build(cfg: Config) -> Splits:
@@ -179,23 +179,30 @@ def run_tokenizer(cfg: Config) -> str | None:
     return tokenizer.read_file(path, "out_dir's tokenizer")
 
 
+def _given_tokenizer(cfg: Config) -> tuple[str, str] | None:
+    """(JSON text, how to name it) of the BPE not trained here: data.tokenizer_file, or the run's own
+    out_dir/tokenizer.json when this run continues one; None when one is to be trained."""
+    if cfg.data.tokenizer_file:
+        return tokenizer.read_file(
+            cfg.data.tokenizer_file
+        ), f"data.tokenizer_file '{cfg.data.tokenizer_file}'"
+    own = run_tokenizer(cfg)
+    return None if own is None else (own, f"'{Path(cfg.out_dir) / tokenizer.FILE}'")
+
+
 def _build_bpe(cfg: Config, text: str) -> Splits:
     """The BPE of data.tokenizer_file, of the run being continued, or trained on the training split (rank 0,
     then sent to every rank); both splits encoded with it."""
     cut = len(text) - int(len(text) * VAL_FRACTION)
-    if cfg.data.tokenizer_file:
-        json_text, where = (
-            tokenizer.read_file(cfg.data.tokenizer_file),
-            f"data.tokenizer_file '{cfg.data.tokenizer_file}'",
-        )
+    found = _given_tokenizer(cfg)
+    if found is None:
+        size = tokenizer.vocab_size(cfg.data.vocab_size, text[:cut])
+        json_text = tokenizer.shared(lambda: tokenizer.train_bpe(text[:cut], size).to_str())
+        where = "the trained tokenizer"
     else:
-        size = tokenizer.vocab_size(cfg.data.vocab_size)
-        where = "out_dir's tokenizer.json"
-        json_text = run_tokenizer(cfg) or tokenizer.shared(
-            lambda: tokenizer.train_bpe(text[:cut], size).to_str()
-        )
+        json_text, where = found
     tok = tokenizer.from_json(json_text, where)
-    train_ids, val_ids = tokenizer.encode(tok, text[:cut]), tokenizer.encode(tok, text[cut:])
+    train_ids, val_ids = tokenizer.encode(tok, text[:cut], where), tokenizer.encode(tok, text[cut:], where)
     block = cfg.data.block_size
     for ids, split in ((train_ids, "training"), (val_ids, "validation")):
         if len(ids) < block + 1:

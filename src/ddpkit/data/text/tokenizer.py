@@ -4,14 +4,22 @@ from data.tokenizer_file). Both are held as one `tokenizers.Tokenizer` whose JSO
 out_dir/tokenizer.json; eval, resume and `ddpkit generate` read it back from there.
 
 Training is deterministic (the same text and vocab_size give the same JSON) and done once: rank 0 trains, the
-other ranks receive its JSON text.
+other ranks receive its JSON text. Its cost is bounded: data.vocab_size at most MAX_BPE_SIZE (and never more
+than the corpus can give), lines cut into pieces of at most PIECE characters (a text of one huge line would
+otherwise take time quadratic in its length). A tokenizer read from a file is hostile input: a regex of its
+normalizer or pre-tokenizer that makes the regex engine give up (Rust panics in `tokenizers`) is one UserError,
+and it is tried on a sample of the text before anything is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import UserError, first_line
 
@@ -22,6 +30,9 @@ if TYPE_CHECKING:
 FILE = "tokenizer.json"  # in out_dir
 DEFAULT_BPE_SIZE = 1024  # data.vocab_size left null with data.tokenizer=bpe
 BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte
+MAX_BPE_SIZE = 1 << 20  # the largest BPE trained (tokenizers allocates about 70 bytes a token up front)
+PIECE = 1024  # BPE training reads lines in pieces of at most this many characters
+SAMPLE = 1 << 16  # characters of the text a tokenizer read from a file is tried on before anything is written
 MAX_FILE_BYTES = 64 << 20  # the largest tokenizer.json read
 FILE_HINT = (
     "give data.tokenizer_file a tokenizer.json written by Hugging Face tokenizers (or by ddpkit train)"
@@ -52,8 +63,56 @@ def train_bpe(text: str, vocab_size: int) -> Tokenizer:
         show_progress=False,
         special_tokens=[],
     )
-    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(_pieces(text), trainer=trainer)
     return tok
+
+
+def _pieces(text: str):
+    """The lines of `text`, each cut into pieces of at most PIECE characters: BPE training's time grows with the
+    square of a word's length, and a pre-tokenizer word is never longer than its piece."""
+    for line in text.splitlines(keepends=True):
+        for start in range(0, len(line), PIECE):
+            yield line[start : start + PIECE]
+
+
+def _is_panic(e: BaseException) -> bool:
+    return type(e).__name__ == "PanicException"  # pyo3's, a BaseException: tokenizers' Rust code panicked
+
+
+@contextmanager
+def rust_panics(where: str):
+    """Run tokenizers code with the message a Rust panic prints kept off the terminal; a panic (the regex engine
+    giving up on a normalizer's or pre-tokenizer's pattern) becomes one UserError naming `where`. Whatever else
+    was printed meanwhile is passed on."""
+    sys.stderr.flush()
+    saved, held = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    panic = None
+    try:
+        yield
+    except BaseException as e:
+        if not _is_panic(e):
+            raise
+        panic = e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        printed = held.read()
+        held.close()
+        if panic is None and printed:
+            os.write(2, printed)
+    if panic is not None:
+        raise UserError(
+            f"{where} fails on this text: {first_line(panic, limit=80)}",
+            "a regex of its normalizer or pre-tokenizer backtracks without end: rewrite or remove it",
+        ) from None
+
+
+def try_on(tok: Tokenizer, text: str, where: str) -> None:
+    """Encode and decode a sample of `text` with `tok` (quietly): UserError naming `where` when it panics."""
+    with rust_panics(where):
+        tok.decode(tok.encode(text[:SAMPLE], add_special_tokens=False).ids)
 
 
 def from_json(text: str, where: str) -> Tokenizer:
@@ -97,12 +156,13 @@ def read_file(path: str | os.PathLike, what: str = "data.tokenizer_file") -> str
     return text
 
 
-def encode(tok: Tokenizer, text: str) -> torch.Tensor:
-    """The token ids of `text` (int32; int64 when the vocabulary needs it)."""
+def encode(tok: Tokenizer, text: str, where: str = "the tokenizer") -> torch.Tensor:
+    """The token ids of `text` (int32; int64 when the vocabulary needs it); UserError naming `where` on a panic."""
     import numpy as np
     import torch
 
-    ids = tok.encode(text, add_special_tokens=False).ids
+    with rust_panics(where):
+        ids = tok.encode(text, add_special_tokens=False).ids
     dtype = np.int32 if tok.get_vocab_size() < 2**31 else np.int64
     return torch.from_numpy(np.asarray(ids, dtype=dtype))
 
@@ -112,7 +172,10 @@ def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
     if not prompt:
         raise UserError("--prompt is empty", "give the text to continue, e.g. --prompt 'def main'")
     try:
-        ids = tok.encode(prompt, add_special_tokens=False).ids
+        with rust_panics("the run's tokenizer"):
+            ids = tok.encode(prompt, add_special_tokens=False).ids
+    except UserError:
+        raise
     except Exception:  # a WordLevel model without an unknown token raises on a character it lacks
         vocab = tok.get_vocab()
         unknown = sorted({c for c in prompt if c not in vocab})
@@ -126,14 +189,22 @@ def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def vocab_size(cfg_vocab: int | None) -> int:
-    """The BPE size to train: data.vocab_size, or the default; UserError below the byte alphabet."""
+def vocab_size(cfg_vocab: int | None, text: str | None = None) -> int:
+    """The BPE size to train: data.vocab_size, or the default; UserError below the byte alphabet or above
+    MAX_BPE_SIZE. With the training `text`, no more than it can give (each merge needs a pair of its bytes)."""
     size = DEFAULT_BPE_SIZE if cfg_vocab is None else cfg_vocab
     if size < BYTE_ALPHABET:
         raise UserError(
             f"data.vocab_size={size} is too small for a byte-level BPE (it starts from {BYTE_ALPHABET} bytes)",
             f"set data.vocab_size to at least {BYTE_ALPHABET}",
         )
+    if size > MAX_BPE_SIZE:
+        raise UserError(
+            f"data.vocab_size={size} is over the largest BPE ddpkit trains ({MAX_BPE_SIZE:,} tokens)",
+            f"set data.vocab_size to at most {MAX_BPE_SIZE}, or give data.tokenizer_file",
+        )
+    if text is not None:  # the same tokenizer: the trainer stops when no pair is left to merge
+        size = min(size, BYTE_ALPHABET + 4 * len(text))  # at most 4 bytes a character
     return size
 
 
@@ -142,3 +213,26 @@ def shared(make) -> str:
     from ddpkit.distributed.collectives import broadcast_object, is_main_process
 
     return broadcast_object(make() if is_main_process() else None)
+
+
+def _named(cfg) -> str:
+    """How to name this run's tokenizer: the file it came from, or the text it was made of."""
+    if cfg.data.tokenizer_file:
+        return f"data.tokenizer_file '{cfg.data.tokenizer_file}'"
+    if cfg.data.dataset == "text" and cfg.data.tokenizer == "bpe":
+        return f"'{Path(cfg.out_dir) / FILE}'"
+    return "the character vocabulary of this run's text"
+
+
+def check_trained_with(cfg, now: str | None, trained: Any, checkpoint: str | os.PathLike) -> None:
+    """UserError when a checkpoint (to continue or to score) was trained with another tokenizer than this run's:
+    the checkpoint holds its own (`trained`, the JSON text); the ids would mean other text (a silently wrong
+    run)."""
+    if not isinstance(trained, str) or now is None or trained == now:
+        return
+    theirs, ours = (hashlib.sha256(t.encode("utf-8")).hexdigest()[:12] for t in (trained, now))
+    raise UserError(
+        f"{_named(cfg)} (sha256 {ours}) is not the tokenizer checkpoint '{checkpoint}' was trained with "
+        f"(sha256 {theirs})",
+        "give the run the tokenizer and text it was trained with, or train anew in another out_dir",
+    )

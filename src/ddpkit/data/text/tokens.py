@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ddpkit.atomicio import NotRegularFile, check_regular
+from ddpkit.cluster.machine import machine_memory
 from ddpkit.data.entry import DatasetEntry, Splits
 from ddpkit.data.text import TextBlocks, tokenizer
 from ddpkit.errors import UserError
@@ -27,6 +29,8 @@ SPLITS = (("train.bin", "training"), ("val.bin", "validation"))
 LAYOUT = "data.root/train.bin and data.root/val.bin (token ids, uint16 or uint32)"
 HINT = "write the files as nanoGPT does: np.array(ids, dtype=np.uint16).tofile('train.bin')"
 CHUNK = 1 << 24  # ids scanned at once for the largest one
+# an epoch's order of the blocks: an int64 permutation of all of them, and this rank's share as a Python list
+ORDER_BYTES = 48
 
 
 def dtype_name(cfg: Config) -> str:
@@ -42,10 +46,14 @@ def _open(cfg: Config, name: str, split: str) -> np.ndarray:
     import numpy as np
 
     path = Path(os.path.expanduser(cfg.data.root)) / name
-    if not path.is_file():
+    try:
+        st = check_regular(path)
+    except NotRegularFile as e:
+        raise UserError(f"{path} is {e.strerror}, not a file of token ids", HINT) from None
+    if st is None:
         raise UserError(f"data.dataset=tokens needs {path}, which does not exist", HINT)
     dtype = np.dtype(dtype_name(cfg))
-    size = path.stat().st_size
+    size = st.st_size
     if size == 0:
         raise UserError(f"{path} is empty", HINT)
     if size % dtype.itemsize:
@@ -53,14 +61,29 @@ def _open(cfg: Config, name: str, split: str) -> np.ndarray:
             f"{path} is {size} bytes, not a whole number of {dtype.name} ids ({dtype.itemsize} bytes each)",
             "the file is cut short, or set data.token_dtype to the type it was written with",
         )
-    ids = np.memmap(path, dtype=dtype, mode="r")
     block = cfg.data.block_size
+    _check_order_fits(path, size // dtype.itemsize, block)
+    ids = np.memmap(path, dtype=dtype, mode="r")
     if len(ids) < block + 1:
         raise UserError(
             f"{path} holds {len(ids)} ids, too few for one {split} block of data.block_size={block}",
             "write more tokens or lower data.block_size",
         )
     return ids
+
+
+def _check_order_fits(path: Path, ids: int, block: int) -> None:
+    """UserError when an epoch's order of the file's blocks (ORDER_BYTES a block, in every process) would not fit
+    in half this machine's memory: checked from the size alone, before a single id is read (a sparse file of
+    100 GB would take minutes to scan, then fail to allocate)."""
+    blocks = ids // block
+    need, have = blocks * ORDER_BYTES, machine_memory()
+    if need > have // 2:
+        raise UserError(
+            f"{path} holds {ids:,} ids: an epoch's order of its {blocks:,} blocks of data.block_size={block} needs "
+            f"about {need / 2**30:.0f} GiB of memory a process, more than half this machine's {have / 2**30:.0f} GiB",
+            "give a shorter file or a larger data.block_size",
+        )
 
 
 def _largest(ids: np.ndarray) -> int:
