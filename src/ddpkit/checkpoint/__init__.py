@@ -12,6 +12,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ddpkit.atomicio import NotRegularFile, atomic_write, check_regular, sweep_temporaries
+from ddpkit.checkpoint.unreadable import unreadable_reason
 from ddpkit.errors import UserError, first_line, held_warnings
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.(pt|dcp)$")
@@ -37,28 +38,6 @@ def _place(src: Path, dst: Path) -> None:
             shutil.copyfileobj(inp, out, length=16 << 20)
 
     atomic_write(dst, copy)
-
-
-def unreadable_reason(e: BaseException) -> str:
-    """Why torch.load(weights_only=True) failed, in a few words (torch's own message is long and its advice,
-    loading with weights_only=False, is wrong for a file from elsewhere)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    found = re.search(r"GLOBAL ([\w.]+)", text)
-    if found:
-        name = found.group(1)
-        what = "a pickled model object" if name.startswith("torch.nn.") else "Python objects"
-        return f"it holds {what} (GLOBAL {name}) that a safe load refuses to run"
-    if isinstance(e, EOFError):
-        return "it ends before its data does (empty or cut short)"
-    for needle, reason in (
-        ("central directory", "it is truncated or damaged (its zip directory is missing)"),
-        ("Unsupported operand", "it is not a torch.save file (not a pickle torch can read)"),
-        ("magic number", "it is not a torch.save file (wrong magic number)"),
-        ("invalid load key", "it is not a torch.save file"),
-    ):
-        if needle in text:
-            return reason
-    return f"{type(e).__name__}: {first_line(text, limit=150)}"
 
 
 def _not_a_file(path: Path) -> UserError:

@@ -28,6 +28,7 @@ from torch import nn
 from ddpkit.checkpoint import dcp_io
 from ddpkit.checkpoint import state_dict as sd_mod
 from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE
+from ddpkit.checkpoint.unreadable import unreadable_reason
 from ddpkit.errors import UserError
 
 FORMAT = "ddpkit.sharded/1"
@@ -166,8 +167,6 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
                 no_dist=_no_dist(),
             )
     except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
-        from ddpkit.checkpoint import unreadable_reason
-
         failures = getattr(e, "_failures", {}) or {}
         rank, failure = next(iter(failures.items()), (None, None))
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
