@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.parallel.clip import clip_grad_norm_
+from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.plan import stage_ids
 from ddpkit.parallel.pipeline.split import owned_parameters
 
@@ -349,6 +350,5 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
     empty dict elsewhere. Collective over all ranks."""
-    from ddpkit.parallel.pipeline import stage_state
 
     return stage_state.model_state(runner.stages)
