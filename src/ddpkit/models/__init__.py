@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
 from ddpkit.config.declared import before_keys, declare, declare_values
+from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
 from ddpkit.registry import Registry
@@ -199,7 +200,6 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     """A language model needs token data and a classifier images; the family's own keys fit together."""
-    from ddpkit.data.registry import get_dataset
 
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens
