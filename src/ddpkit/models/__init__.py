@@ -54,7 +54,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "ddpkit.models"
 # The built-in families, one folder each (keys.py: its card, torch-free; model.py: its family), in the order the
 # config reference lists them. Adding one is a folder and its name here.
-FAMILY_FOLDERS = ("small", "gpt", "llama", "timm", "torchvision")
+FAMILY_FOLDERS = ("small", "gpt", "llama", "mixtral", "timm", "torchvision")
 CARDS: tuple[FamilyCard, ...] = tuple(
     importlib.import_module(f"{__name__}.{folder}.keys").CARD for folder in FAMILY_FOLDERS
 )
@@ -140,8 +140,14 @@ def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily
     return MODEL_FAMILIES.register(family, replace=replace)
 
 
-def model_family(arch: str) -> ModelFamily:
-    """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
+def model_family(arch: str, model_cfg: Any = None) -> ModelFamily:
+    """The family that owns `arch`, its name checked; a UserError with the closest name when none does. With the
+    config's model section `model_cfg`, a family that claims that config (ModelFamily.claims: model.arch=llama
+    with model.n_experts is the mixtral family's) is the one that builds it."""
+    if model_cfg is not None:
+        claimed = next((f for f in MODEL_FAMILIES.values() if f.claims and f.claims(arch, model_cfg)), None)
+        if claimed is not None:
+            return claimed
     # the registered families, then the one an installed package declares under that name
     owner = next((f for f in MODEL_FAMILIES.values() if f.owns(arch)), None)
     if owner is None and arch not in MODEL_FAMILIES:
@@ -216,6 +222,27 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     family.check_keys(cfg.model)
 
 
+def _check_owned_keys(m: Any, family: ModelFamily) -> None:
+    """A key of another family's set (model.n_experts with model.arch=gpt) is refused when it is set away from
+    its default: it would change nothing."""
+    import dataclasses
+
+    from ddpkit.config.declared import key_sets
+    from ddpkit.config.schema import yaml_text
+
+    for key_set in key_sets("model"):
+        if family.name in key_set.owners:
+            continue
+        for f in dataclasses.fields(key_set.keys):
+            value = getattr(m, f.name, f.default)
+            if value != f.default:
+                owners = ", ".join(key_set.owners)
+                raise UserError(
+                    f"model.{f.name}={yaml_text(value)} is a key of model.arch={owners}, not of {m.arch}",
+                    f"use model.arch={key_set.owners[0]}, or drop model.{f.name}",
+                )
+
+
 # float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
 BYTES_PER_PARAM = 16
 
@@ -245,10 +272,11 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
 
 def check_arch(cfg: Config) -> None:
     """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
-    family = model_family(cfg.model.arch)
+    family = model_family(cfg.model.arch, cfg.model)
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
+    _check_owned_keys(cfg.model, family)
 
 
 def build_model(
@@ -271,10 +299,11 @@ def build_model(
     from ddpkit.models.weights import load_matching, log, read_weights
 
     arch, pretrained = cfg.model.arch, cfg.model.pretrained
-    family = model_family(arch)
+    family = model_family(arch, cfg.model)
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
+    _check_owned_keys(cfg.model, family)
     if family.build_lm is not None:
         if vocab_size is None or block_size is None:
             raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")

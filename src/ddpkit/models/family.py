@@ -36,10 +36,13 @@ class FamilyCard:
     owns: Callable[[str], bool] | None = None
     tokens: bool = False  # a language model (trained on token sequences): ModelFamily.tokens
     preload: tuple[str, ...] = ()  # modules a worker imports to build it, besides torch and the trainer
+    # (model.arch, cfg.model) -> this family builds a config that names another family's arch (the Llama with
+    # model.n_experts is the mixtral family's): ModelFamily.claims
+    claims: Callable[[str, Any], bool] | None = None
 
     def fields(self) -> dict[str, Any]:
         """The ModelFamily fields the card gives."""
-        return {"name": self.name, "keys": self.keys}
+        return {"name": self.name, "keys": self.keys, "claims": self.claims}
 
 
 def images_refused(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -115,6 +118,13 @@ class ModelFamily:
     # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
     # format would be one more field like it
     hf: HFConverter | None = None
+    # (model.arch, cfg.model) -> this family builds that config although another family owns the name: a family
+    # that stands behind another's spelling (model.arch=llama model.n_experts=8 is the mixtral family's model);
+    # models.model_family(arch, cfg.model) asks it. None: it builds only the names it owns
+    claims: Callable[[str, Any], bool] | None = None
+    # (cfg.model) -> the routed experts of each mixture-of-experts block (0: none): dist.ep splits them over its
+    # ranks and must divide them (parallel/plan.py, before workers start)
+    routed_experts: Callable[[Any], int] = lambda model_cfg: 0
 
     @property
     def tokens(self) -> bool:

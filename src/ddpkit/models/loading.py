@@ -59,7 +59,7 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
-    family = models.model_family(cfg.model.arch)
+    family = models.model_family(cfg.model.arch, cfg.model)
     if not family.tokens:
         raise UserError(
             f"checkpoint '{source}' is of model.arch={cfg.model.arch}, an image classifier, not a language model",

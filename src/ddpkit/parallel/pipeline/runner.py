@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.parallel.clip import clip_grad_norm_
+from ddpkit.parallel.experts.apply import ignore_in_ddp, reduce_expert_grads
 from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.plan import stage_ids
 from ddpkit.parallel.pipeline.split import owned_parameters
@@ -110,6 +111,7 @@ class PipelineRunner:
         eval_stages: Sequence[nn.Module] | None = None,
         shared: Sequence = (),
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        experts: Any = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -126,7 +128,7 @@ class PipelineRunner:
         # parameters used by stages of several ranks (pipeline.split.Shared): their gradients summed over those
         # ranks after each backward, so every copy takes the one-process update
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
-        self.shard = shard
+        self.shard, self.experts = shard, experts
         self.wrapped = [self._wrap(m) for m in self.stages]
         self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
         pipe_stages = [
@@ -147,8 +149,9 @@ class PipelineRunner:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # every forward through it runs under no_sync (step()), and torch's stage starts the gradients' reduction
-        # itself in the last micro-batch's backward: DDP needs no search for unused parameters
-        return DDP(module, process_group=self.dp_group)
+        # itself in the last micro-batch's backward: DDP needs no search for unused parameters. The experts split
+        # over dist.ep (and a mixture of experts' per-rank counts) it leaves alone: step() reduces them
+        return DDP(ignore_in_ddp(module), process_group=self.dp_group)
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         """DDP's no_sync over the step: torch's schedules run their forwards under it and reduce the gradients
@@ -211,6 +214,9 @@ class PipelineRunner:
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
         self._sum_shared_grads()
+        if self.experts is not None and (self.ddp or self.experts.edp_size == 1):  # left by DDP or FSDP2
+            for stage in self.stages:
+                reduce_expert_grads(stage, self.experts)
         for p, g in zip(params, kept, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
@@ -323,9 +329,10 @@ class PipelineRunner:
         return sums
 
     def _even_out(self, forwards: int, loader: Iterable, dummy: torch.Tensor | None) -> None:
-        """Sharded stages: a replica that ran fewer forwards than another runs unscored ones until
-        it has run as many (each forward is a collective over the data-parallel ranks), on a piece it ran before."""
-        if self.shard is None:
+        """Sharded stages or experts split over dist.ep: a replica that ran fewer forwards than another runs
+        unscored ones until it has run as many (each forward is a collective over the data-parallel ranks), on a
+        piece it ran before."""
+        if self.shard is None and self.experts is None:
             return
         most = torch.tensor([forwards], dtype=torch.int64, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

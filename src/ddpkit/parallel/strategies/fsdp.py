@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from ddpkit.parallel.experts.apply import reduce_expert_grads, shard_experts
 from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         options = self.shard_options()
+        if self.experts is not None:  # the routed experts split over dist.ep: over their edp ranks first
+            options = shard_experts(model, self.experts, options)
         for block in shard_units(model):  # one shard group per block, then the root
             fully_shard(block, **options)
         root = model if root is None else root
@@ -66,9 +69,12 @@ class FSDPStrategy(Strategy):
     def collective_forward(self) -> bool:
         return True
 
+    @contextlib.contextmanager
     def sync_context(self, wrapped, sync):
         wrapped.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
+        yield
+        if sync and self.experts is not None and self.experts.edp_size == 1:  # experts FSDP2 left alone
+            reduce_expert_grads(wrapped, self.experts)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -113,6 +119,7 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     offloads=True,
     with_pp=True,
+    with_ep=True,
     auto=("offload",),
     recognizes=_recognizes,
 )

@@ -44,5 +44,6 @@ ENTRY = StrategyEntry(
     remakes_optimizer=True,
     over_dtensors=True,
     with_pp=True,
+    with_ep=True,
     hybrid=True,
 )

@@ -25,5 +25,6 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     offloads=True,
     with_pp=True,
+    with_ep=True,
     auto=("tp",),
 )
