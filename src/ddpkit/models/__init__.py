@@ -21,6 +21,7 @@ from ddpkit.config.declared import before_keys, declare, declare_values
 from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
+from ddpkit.models.keys import n_experts
 from ddpkit.registry import Registry
 
 if TYPE_CHECKING:
@@ -222,25 +223,14 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     family.check_keys(cfg.model)
 
 
-def _check_owned_keys(m: Any, family: ModelFamily) -> None:
-    """A key of another family's set (model.n_experts with model.arch=gpt) is refused when it is set away from
-    its default: it would change nothing."""
-    import dataclasses
-
-    from ddpkit.config.declared import key_sets
-    from ddpkit.config.schema import yaml_text
-
-    for key_set in key_sets("model"):
-        if family.name in key_set.owners:
-            continue
-        for f in dataclasses.fields(key_set.keys):
-            value = getattr(m, f.name, f.default)
-            if value != f.default:
-                owners = ", ".join(key_set.owners)
-                raise UserError(
-                    f"model.{f.name}={yaml_text(value)} is a key of model.arch={owners}, not of {m.arch}",
-                    f"use model.arch={key_set.owners[0]}, or drop model.{f.name}",
-                )
+def _check_experts(m: Any, family: ModelFamily) -> None:
+    """model.n_experts asks for routed experts: a family without them (model.arch=gpt) would silently drop them."""
+    if n_experts(m) and not family.routed_experts(m):
+        owners = [f.name for f in MODEL_FAMILIES.values() if f.claims is not None] or ["a mixture of experts"]
+        raise UserError(
+            f"model.n_experts={m.n_experts}: model.arch={m.arch} has no routed experts",
+            f"use model.arch={' or '.join(owners)}, or drop model.n_experts",
+        )
 
 
 # float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
@@ -276,7 +266,7 @@ def check_arch(cfg: Config) -> None:
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
-    _check_owned_keys(cfg.model, family)
+    _check_experts(cfg.model, family)
 
 
 def build_model(
@@ -303,7 +293,7 @@ def build_model(
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
-    _check_owned_keys(cfg.model, family)
+    _check_experts(cfg.model, family)
     if family.build_lm is not None:
         if vocab_size is None or block_size is None:
             raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")

@@ -139,7 +139,7 @@ def _check_experts(m: Any, family: Any, ep: int) -> None:
     if not experts:
         raise UserError(
             f"dist.ep={ep} splits a mixture of experts' routed experts, but model.arch={m.arch} has none",
-            "set model.n_experts (model.arch=llama model.n_experts=8: a Mixtral-shaped model), or dist.ep=1",
+            "give the model routed experts (model.n_experts), or use dist.ep=1",
         )
     if experts % ep:
         raise UserError(

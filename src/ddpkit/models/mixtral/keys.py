@@ -1,4 +1,4 @@
-"""The Mixtral family's card, torch-free: its keys are the Llama's and the routed experts' (models/moe/keys.py); it
+"""The Mixtral family's card, torch-free: its keys are the Llama's and the routed experts' (models/keys.py); it
 builds model.arch=mixtral and model.arch=llama with model.n_experts set."""
 
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.models.family import FamilyCard
-from ddpkit.models.keys import TransformerKeys
+from ddpkit.models.keys import MoEKeys, TransformerKeys, n_experts
 from ddpkit.models.llama.keys import LlamaKeys
-from ddpkit.models.moe.keys import MoEKeys, n_experts
 
 
 def claims(arch: str, m: Any) -> bool:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit.models.moe.layer import GroupedExperts, MoE, moe_layers
+from ddpkit.models.experts import GroupedExperts, MoE, moe_layers
 from ddpkit.parallel.experts.dispatch import AllToAll
 from ddpkit.parallel.experts.meshes import ExpertMeshes
 
@@ -66,7 +66,7 @@ def ignore_in_ddp(module: nn.Module) -> nn.Module:
 def reduce_expert_grads(module: nn.Module, meshes: ExpertMeshes) -> None:
     """Under DDP: each expert weight's gradient summed over the edp ranks that hold it and divided by dp (the
     dense gradients' mean over dp, for the parameters DDP leaves alone). Collective over the edp group."""
-    group = meshes.edp_group if meshes.edp.size() > 1 else None
+    group = meshes.edp_group
     for experts in expert_modules(module):
         for p in experts.parameters():
             if not hasattr(p, "to_local"):
@@ -81,12 +81,12 @@ def reduce_expert_grads(module: nn.Module, meshes: ExpertMeshes) -> None:
 
 def shard_experts(module: nn.Module, meshes: ExpertMeshes, options: dict) -> dict:
     """FSDP2 on each routed-experts module over the edp mesh (`options`: fully_shard's, the mesh replaced), their
-    gradients divided by dp, not by edp (FSDP2's default), as the dense ones. Over one edp rank (dist.ep takes
-    every dp rank) there is nothing to shard: the experts are left out of FSDP2 (reduce_expert_grads divides
-    their gradients). Returns the options of the dense units' fully_shard."""
+    gradients divided by dp, not by edp (FSDP2's default), as the dense ones. Where the edp ranks give nothing to
+    shard over (ExpertMeshes.shardable) the experts are left out of FSDP2: reduce_expert_grads reduces them. Returns
+    the options of the dense units' fully_shard."""
     from torch.distributed.fsdp import fully_shard
 
-    if meshes.edp_size == 1:
+    if not meshes.shardable:
         return {**options, "ignored_params": {p for m in expert_modules(module) for p in m.parameters()}}
     premul = "nccl" in str(
         dist.get_backend(meshes.exchange)

@@ -24,16 +24,20 @@ class ExpertMeshes:
     exchange: Any = None
 
     @property
-    def edp_size(self) -> int:
-        """The ranks holding the same experts: 1 when dist.ep takes every dp rank (FSDP2 has nothing to shard
-        the experts over, and leaves them to reduce_expert_grads)."""
-        return self.edp.size()
+    def shardable(self) -> bool:
+        """FSDP2 has ranks to shard the experts over: the edp dim (under HSDP its sharding part) holds several.
+        Otherwise (dist.ep takes every dp rank, or every rank of an HSDP sharding group) FSDP2 leaves the experts
+        alone and reduce_expert_grads reduces them over `edp_group`."""
+        return self.edp.size(self.edp.ndim - 1) > 1
 
     @property
     def edp_group(self) -> Any:
-        """The process group of the ranks holding the same experts (all of edp, flattened under HSDP)."""
-        mesh = self.edp if self.edp.ndim == 1 else self.edp._flatten("edp")
-        return mesh.get_group()
+        """The process group of the ranks holding the same experts, over which their gradients are summed by hand
+        (under ddp, or where they are not shardable: under HSDP the replicas); None for this rank alone."""
+        dim = 0 if self.edp.ndim == 1 or not self.shardable else None
+        if dim is None or self.edp.size(dim) == 1:
+            return None
+        return self.edp.get_group(dim)
 
 
 def expert_meshes(mesh: Any, ep: int, dp_shard: int | None = None) -> ExpertMeshes:

@@ -214,7 +214,7 @@ class PipelineRunner:
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
         self._sum_shared_grads()
-        if self.experts is not None and (self.ddp or self.experts.edp_size == 1):  # left by DDP or FSDP2
+        if self.experts is not None and (self.ddp or not self.experts.shardable):  # left by DDP or FSDP2
             for stage in self.stages:
                 reduce_expert_grads(stage, self.experts)
         for p, g in zip(params, kept, strict=True):

@@ -9,7 +9,6 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from ddpkit.parallel.compression import Compression
-from ddpkit.parallel.experts.apply import ignore_in_ddp, reduce_expert_grads
 from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
@@ -29,6 +28,8 @@ class DDPStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from ddpkit.parallel.experts.apply import ignore_in_ddp
+
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         ddp = DDP(ignore_in_ddp(model), device_ids=ids, process_group=self.dp_group, **self.ddp_options)
         self._hook_state = self.compression.register(ddp)
@@ -46,6 +47,8 @@ class DDPStrategy(Strategy):
         with contextlib.nullcontext() if sync else wrapped.no_sync():
             yield
         if sync and self.experts is not None:  # the experts DDP left alone: over the ranks holding them
+            from ddpkit.parallel.experts.apply import reduce_expert_grads
+
             reduce_expert_grads(wrapped.module, self.experts)
 
 

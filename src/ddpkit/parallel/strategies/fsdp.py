@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from ddpkit.parallel.experts.apply import reduce_expert_grads, shard_experts
 from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
@@ -52,6 +51,8 @@ class FSDPStrategy(Strategy):
 
         options = self.shard_options()
         if self.experts is not None:  # the routed experts split over dist.ep: over their edp ranks first
+            from ddpkit.parallel.experts.apply import shard_experts
+
             options = shard_experts(model, self.experts, options)
         for block in shard_units(model):  # one shard group per block, then the root
             fully_shard(block, **options)
@@ -73,7 +74,9 @@ class FSDPStrategy(Strategy):
     def sync_context(self, wrapped, sync):
         wrapped.set_requires_gradient_sync(sync)
         yield
-        if sync and self.experts is not None and self.experts.edp_size == 1:  # experts FSDP2 left alone
+        if sync and self.experts is not None and not self.experts.shardable:  # experts FSDP2 left alone
+            from ddpkit.parallel.experts.apply import reduce_expert_grads
+
             reduce_expert_grads(wrapped, self.experts)
 
 

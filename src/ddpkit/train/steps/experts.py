@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.models import model_family
-from ddpkit.models.moe.layer import MoE
+from ddpkit.models.experts import MoE
 from ddpkit.train.steps.plain import StepRunner
 
 

@@ -1,5 +1,7 @@
-"""A mixture-of-experts block's MLP: a router picks each token's `experts_per_token` experts (token choice), the
-tokens go through their experts' SwiGLUs (sorted by expert: one grouped matmul, matmul.py) and come back weighted
+"""Routed experts, the part a mixture-of-experts family (mixtral/, or one of your own) builds its blocks with, and
+what expert parallelism (parallel/experts/) and the trainer's step (train/steps/experts.py) find in a model. A
+mixture-of-experts block's MLP (`MoE`): a router picks each token's `experts_per_token` experts (token choice), the
+tokens go through their experts' SwiGLUs (sorted by expert: one grouped matmul, below) and come back weighted
 by their routing scores; shared experts (when the model has them) see every token. No token is ever dropped
 (dropless), so a token's output does not depend on where the other tokens are: every layout computes what one
 process does.
@@ -20,6 +22,11 @@ The block counts, in training, the tokens each expert got (`step_tokens`: this o
 metrics last read it) and the auxiliary loss (`aux_sums`), never twice for a block that activation checkpointing
 re-computes. Expert parallelism (parallel/experts/) sets `exchange`: the all-to-all that sends the sorted tokens
 to their experts' ranks and back.
+
+The experts' SwiGLU over tokens sorted by expert is `torch._grouped_mm` (one kernel for every expert) or a loop of
+one matmul per expert, whichever the device runs faster (`FASTER`, benchmarks/moe_matmul.py): the same numbers
+either way (within float rounding). The grouped kernel takes matrices whose strides are multiples of 16 bytes (the
+width and the experts' width a multiple of 4 in float32, of 8 in bfloat16); other shapes take the loop.
 """
 
 from __future__ import annotations
@@ -32,14 +39,70 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit.models.llama.model import SwiGLU
-from ddpkit.models.moe.keys import aux_weight, moe_blocks
-from ddpkit.models.moe.matmul import swiglu_experts
+from ddpkit.models.keys import aux_weight, moe_blocks
+
+# device type -> the faster of "grouped" and "loop" there (benchmarks/moe_matmul.py). CUDA: torch's grouped GEMM
+# (a bfloat16 kernel on compute capability 9.0 and later, where torchtitan uses it); CPU: the loop, measured
+# faster at every size of RESULTS.md §22
+FASTER = {"cpu": "loop", "cuda": "grouped"}
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(s * t.element_size() % 16 == 0 for t in tensors for s in t.stride()[:-1] if s != 1) and all(
+        t.stride(-1) == 1 or t.stride(-2) == 1 for t in tensors
+    )
+
+
+def grouped_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the grouped kernel runs `x` (tokens, width) against `weights` (experts, out, in) on this device."""
+    if not hasattr(torch, "_grouped_mm") or FASTER.get(x.device.type) != "grouped":
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    return _aligned(x, *(w.transpose(-2, -1) for w in weights))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes a matmul of `x` in (x's own without autocast)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def swiglu_experts(
+    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """down_e(silu(gate_e x) * up_e x) of each row x of `x` (rows sorted by expert, `counts[e]` rows of expert e)
+    with the experts' weights `gate`, `up` (experts, hidden, width) and `down` (experts, width, hidden)."""
+    dtype = _compute_dtype(x)
+    if dtype != x.dtype or gate.dtype != dtype:
+        x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
+    if grouped_here(x, gate, up, down):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, up.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+    return swiglu_loop(x, counts, gate, up, down)
+
+
+def swiglu_loop(
+    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """swiglu_experts as one matmul per expert that has rows."""
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n or (e == len(counts) - 1 and not outs):
+            # no rows at all: the last expert on none, so that the result still hangs on `x` and the weights
+            # (under expert parallelism the backward of the all-to-all that brought `x` must run on every rank)
+            xe = x[start : start + n]
+            outs.append((F.silu(xe @ gate[e].T) * (xe @ up[e].T)) @ down[e].T)
+            start += n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 @dataclass(frozen=True)
 class Routing:
-    """How a model's MoE blocks route (from its config keys, models/moe/keys.py)."""
+    """How a model's MoE blocks route (from its config keys, models/keys.py)."""
 
     n_experts: int
     top_k: int = 2
@@ -142,12 +205,12 @@ class MoE(nn.Module):
 
     LOCAL_BUFFERS = ("step_tokens", "load", "aux_sums")  # each rank's own counts (no data-parallel sync)
 
-    def __init__(self, n_embd: int, hidden: int, routing: Routing, shared_hidden: int = 0):
+    def __init__(self, n_embd: int, hidden: int, routing: Routing, shared: nn.Module | None = None):
         super().__init__()
         self.routing = routing
         self.router = Router(n_embd, routing)
         self.experts = GroupedExperts(routing.n_experts, n_embd, hidden)
-        self.shared = SwiGLU(n_embd, shared_hidden) if shared_hidden else None
+        self.shared = shared  # the shared experts (an MLP every token goes through), or None
         self.exchange: Exchange | None = None
         self.aux_scale = 1.0
         e = routing.n_experts
