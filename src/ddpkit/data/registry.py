@@ -13,7 +13,9 @@ import pickle
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.declared import check_with
+from ddpkit.data import builtin, text, vision
 from ddpkit.data.entry import DatasetEntry, DataSpec, Splits
+from ddpkit.data.text import tokens
 from ddpkit.errors import UserError, first_line
 from ddpkit.registry import Registry
 
@@ -38,8 +40,6 @@ __all__ = [
 def _builtin_entries() -> list[DatasetEntry]:
     """The built-in entries, in the order their names are listed; their modules are imported when the registry is
     first used, not with it (a config that names a registered data set loads none of them)."""
-    from ddpkit.data import builtin, text, vision
-    from ddpkit.data.text import tokens
 
     return [*builtin.ENTRIES, *text.ENTRIES, *vision.ENTRIES, *tokens.ENTRIES]
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
 from ddpkit.config.declared import before_keys, declare, declare_values, defaults_from
+from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
 from ddpkit.registry import Registry
@@ -140,8 +141,7 @@ def _init_from_shape(given: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     path = given.get("model.init_from")
     if not isinstance(path, str) or not path.strip():
         return {}
-    from ddpkit.models.hf import is_hf_folder
-    from ddpkit.models.hf.values import folder_defaults
+    from ddpkit.models.hf import folder_defaults, is_hf_folder
 
     if not is_hf_folder(path):
         return {}  # refused by check_arch, which says what a folder needs
@@ -175,8 +175,15 @@ def model_family(arch: str) -> ModelFamily:
 
 
 def family_of_module(model: nn.Module) -> ModelFamily | None:
-    """The registered family that builds models of `model`'s class (its `module_types`), or None."""
-    return next((f for f in MODEL_FAMILIES.values() if isinstance(model, f.module_types)), None)
+    """The registered family that builds models of `model`'s class (its `module_types`), or None: the one of the
+    nearest class in its method resolution order, so a family whose model subclasses another's (Qwen2's of the
+    Llama) is found for its own model, whatever order the families are asked in."""
+    families = list(MODEL_FAMILIES.values())
+    for cls in type(model).__mro__:
+        owner = next((f for f in families if cls in f.module_types), None)
+        if owner is not None:
+            return owner
+    return None
 
 
 def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
@@ -191,7 +198,7 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
         check_weights_path(pretrained)
     if cfg.model.init_from:
-        from ddpkit.models.hf import is_hf_folder
+        from ddpkit.models.hf import is_hf_folder, open_folder
 
         if family.hf is None:
             readers = " or ".join(f.name for f in MODEL_FAMILIES.values() if f.hf is not None)
@@ -204,14 +211,13 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
                 f"model.init_from '{cfg.model.init_from}' is not a Hugging Face folder (no config.json in it)",
                 "give a folder written by save_pretrained or by ddpkit export --to hf",
             )
-        from ddpkit.models.hf import open_folder
-
-        open_folder(cfg.model.init_from)  # every check of its files, values and tensors, before workers start
+        open_folder(
+            cfg.model.init_from, MODEL_FAMILIES.entries()
+        )  # every check of its files, values and tensors, before workers start
 
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     """A language model needs token data and a classifier images; the family's own keys fit together."""
-    from ddpkit.data.registry import get_dataset
 
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens

@@ -16,7 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.errors import UserError
+from ddpkit import config as config_mod
+from ddpkit import models
+from ddpkit.checkpoint import check_file, load_checkpoint
+from ddpkit.checkpoint.sharded import is_sharded, model_shapes, read_tensor
+from ddpkit.data.text.tokenizer import FILE, read_file
+from ddpkit.errors import UserError, first_line
+from ddpkit.models import family_of_module
+from ddpkit.models.hf import export, is_hf_folder, open_folder
+from ddpkit.models.hf.storage import (
+    FolderReader,
+)  # declares the folder's reader to torch.distributed.checkpoint
+from ddpkit.models.hf.tensors import listed
+from ddpkit.models.hf.write import EXPORT_DTYPES, shard_bytes
 
 NAMES = ("best.pt", "best.dcp", "last.pt", "last.dcp")
 INIT_HINT = "leave the model's shape keys out with model.init_from: the folder's config.json gives them"
@@ -34,8 +46,6 @@ class Loaded:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path` itself when it is a checkpoint; in a run directory (or its checkpoints/ folder) the best checkpoint,
     else the last; UserError when there is none."""
-    from ddpkit.checkpoint import check_file
-    from ddpkit.checkpoint.sharded import is_sharded
 
     p = Path(os.path.expanduser(str(path)))
     if p.is_file() or is_sharded(p):
@@ -74,8 +84,6 @@ class Checkpoint:
 
     def tokenizer(self) -> str | None:
         """The tokenizer kept in the checkpoint, else its run's tokenizer.json, else None."""
-        from ddpkit.data.text.tokenizer import FILE, read_file
-
         tok = self.state.get("tokenizer")
         if isinstance(tok, str):
             return tok
@@ -88,11 +96,6 @@ class Checkpoint:
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """A language model's checkpoint (any layout it was trained in) opened on one process: its side state and
     its tensors' shapes, none of a sharded folder's tensors read yet."""
-    from ddpkit import config as config_mod
-    from ddpkit import models
-    from ddpkit.checkpoint import load_checkpoint
-    from ddpkit.checkpoint.sharded import is_sharded, model_shapes, read_tensor
-
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
@@ -119,8 +122,6 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def check_checkpoint(ckpt: Checkpoint, own: dict[str, torch.Tensor]) -> None:
     """The checkpoint holds exactly the model's tensors, shape for shape: a UserError naming the first that is
     extra, missing or of another shape (before any tensor is read)."""
-    from ddpkit.models.hf.tensors import listed
-
     extra = sorted(set(ckpt.shapes) - set(own))
     lacking = sorted(set(own) - set(ckpt.shapes))
     hint = "give a checkpoint of the model its config.yaml describes"
@@ -147,36 +148,33 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
     return Loaded(model.eval(), ckpt.source, ckpt.tokenizer())
 
 
-def export_checkpoint(path: str | os.PathLike, out: Path, dtype: torch.dtype, max_shard_size: str) -> Loaded:
-    """A checkpoint written as a Hugging Face folder `out`, tensor by tensor: a sharded checkpoint is never
-    gathered (its model is built on the meta device, for its shapes and config.json alone)."""
-    from ddpkit.models.hf import export
-
+def export_checkpoint(path: str | os.PathLike, out: Path, dtype: str, max_shard_size: str | None) -> Loaded:
+    """A checkpoint written as a Hugging Face folder `out` with weights of `dtype` (fp32, bf16), tensor by tensor:
+    a sharded checkpoint is never gathered (its model is built on the meta device, for its shapes and
+    config.json alone)."""
+    if max_shard_size is not None:
+        shard_bytes(max_shard_size)  # checked before anything is read
     ckpt = open_checkpoint(path)
     model = ckpt.build("meta")
     check_checkpoint(ckpt, model.state_dict())
-    export(model, out, ckpt.family, dtype=dtype, max_shard_size=max_shard_size, read=ckpt.read)
+    export(model, out, ckpt.family, dtype=EXPORT_DTYPES[dtype], max_shard_size=max_shard_size, read=ckpt.read)
     return Loaded(model, ckpt.source, ckpt.tokenizer())
 
 
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """The model of the family whose Hugging Face converter reads the folder, holding the folder's weights (every
     check made before the model is built)."""
-    from ddpkit.models.hf import open_folder
-
-    folder = open_folder(path)
+    folder = open_folder(path, models.MODEL_FAMILIES.entries())
     model = folder.build()
     folder.into(model, f"'{path}'")
     return model.eval()
 
 
 def load(path: str | os.PathLike) -> Loaded:
-    from ddpkit.models.hf import is_hf_folder
 
     if is_hf_folder(path):
         return Loaded(from_hf(path), Path(path), None)
-    ckpt = from_checkpoint(path)
-    return ckpt
+    return from_checkpoint(path)
 
 
 def load_model(path: str | os.PathLike) -> nn.Module:
@@ -187,15 +185,12 @@ def load_model(path: str | os.PathLike) -> nn.Module:
 
 def _folder_for(model: nn.Module, path: str) -> Any:
     """Folder `path` opened, its family `model`'s and its settings the model's (UserError naming both values)."""
-    from ddpkit.models import family_of_module
-    from ddpkit.models.hf import is_hf_folder, open_folder
-
     if not is_hf_folder(path):
         raise UserError(
             f"model.init_from '{path}' is not a Hugging Face folder (no config.json in it)",
             "give a folder written by save_pretrained or by ddpkit export --to hf",
         )
-    folder = open_folder(path)
+    folder = open_folder(path, models.MODEL_FAMILIES.entries())
     if family_of_module(model) is not folder.family:
         raise UserError(
             f"model.init_from '{path}' holds a {folder.family.name} model, not a {type(model).__name__}",
@@ -225,14 +220,10 @@ def init_from(model: nn.Module, path: str, report: Any = None) -> None:
 def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = None) -> None:
     """model.init_from under any layout: the folder read as a sharded checkpoint by the strategy that laid the
     model out (`Strategy.load_sharded`), so each rank reads only the slices it holds. Collective."""
-    from ddpkit.models.hf import storage  # declares the folder's reader to torch.distributed.checkpoint
-
-    storage.FolderReader(path).tensors  # noqa: B018  every check of the folder, one line each, before reading
+    FolderReader(path).tensors  # noqa: B018  every check of the folder, one line each, before reading
     try:
         strategy.load_sharded(wrapped, None, path, {})
     except (KeyError, ValueError) as e:
-        from ddpkit.errors import first_line
-
         raise UserError(
             f"model.init_from '{path}' does not fit this model: {first_line(e)}", INIT_HINT
         ) from None

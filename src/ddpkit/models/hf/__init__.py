@@ -14,11 +14,13 @@ every layout's sharded load reads only its slices), write.py (export, streamed, 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ddpkit.errors import UserError, first_line
 from ddpkit.models.family import HFConverter, ModelFamily
@@ -34,7 +36,15 @@ from ddpkit.models.hf.files import (
     read_headers,
 )
 from ddpkit.models.hf.tensors import FolderTensors, fill, listed
-from ddpkit.models.hf.values import family_for, folder_config
+from ddpkit.models.hf.values import family_for, folder_config, folder_defaults
+from ddpkit.models.hf.write import (
+    DEFAULT_SHARD,
+    Planned,
+    folder_json,
+    planned_tensors,
+    shard_bytes,
+    write_folder,
+)
 
 __all__ = [
     "CONFIG",
@@ -43,6 +53,8 @@ __all__ = [
     "WEIGHTS",
     "Folder",
     "converter",
+    "export",
+    "folder_defaults",
     "is_hf_folder",
     "load_into",
     "need",
@@ -75,8 +87,6 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     every tensor a floating-point one)."""
     entries = read_headers(Path(folder))
     check_dtypes(entries, list(entries), Path(folder))
-    from safetensors import SafetensorError, safe_open
-
     out: dict[str, torch.Tensor] = {}
     for file in sorted({e.file for e in entries.values()}):
         try:
@@ -157,14 +167,10 @@ class Folder:
         load_into(model, {k: v.contiguous() for k, v in sd.items()}, where)
 
 
-def open_folder(path: str | os.PathLike, families: Any = None) -> Folder:
+def open_folder(path: str | os.PathLike, families: Iterable[ModelFamily]) -> Folder:
     """Hugging Face folder `path` checked before anything is allocated: its family (by model_type among
-    `families`, default every registered one), config.json's values by the config keys' rules, and, for a
-    declared converter, every tensor's name, dtype and shape from the headers. UserError otherwise."""
-    if families is None:
-        from ddpkit.models import MODEL_FAMILIES
-
-        families = MODEL_FAMILIES.entries()
+    `families`: the registry's entries), config.json's values by the config keys' rules, and, for a declared
+    converter, every tensor's name, dtype and shape from the headers. UserError otherwise."""
     folder = Path(path)
     raw = read_config(folder)
     family = family_for(raw, folder, families)
@@ -217,15 +223,6 @@ def export(
     its tensors in `dtype`, in safetensors files of at most `max_shard_size` with an index when there are
     several. `read(name)`: where the model's tensors come from when it holds none itself (a model on the meta
     device, its checkpoint read tensor by tensor); default its own."""
-    from ddpkit.models.hf.write import (
-        DEFAULT_SHARD,
-        Planned,
-        folder_json,
-        planned_tensors,
-        shard_bytes,
-        write_folder,
-    )
-
     hf = converter(family, model)
     max_bytes = shard_bytes(max_shard_size or DEFAULT_SHARD)
     sd = model.state_dict()

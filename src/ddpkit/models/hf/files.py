@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
+from ddpkit.atomicio import NotRegularFile, check_regular, open_regular
+from ddpkit.config.bounded import loads_json
 from ddpkit.errors import UserError, first_line
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -53,9 +57,6 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 def read_json(path: Path, max_bytes: int) -> Any:
     """The JSON value in file `path`: a regular file of at most `max_bytes`, nested at most MAX_JSON_DEPTH deep;
     a one-line UserError naming the file and the rule otherwise."""
-    from ddpkit.atomicio import NotRegularFile, open_regular
-    from ddpkit.config.bounded import loads_json
-
     try:
         with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO is refused, never waited on
             raw = fh.read(max_bytes + 1)  # a sparse 30 GB file: 1 MB read, then refused
@@ -99,10 +100,6 @@ def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 def _header(file: Path) -> dict[str, Entry]:
     """The tensors of one safetensors file, from its header alone (safetensors checks it against the file)."""
-    from safetensors import SafetensorError, safe_open
-
-    from ddpkit.atomicio import NotRegularFile, check_regular
-
     try:
         if check_regular(file) is None:  # a FIFO or device is named here; safe_open would block on a FIFO
             raise UserError(f"'{file}' is missing", HINT)

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ddpkit.checkpoint import dcp_io
 from ddpkit.checkpoint.sharded import MODEL
-from ddpkit.models.hf.files import is_hf_folder
+from ddpkit.models import MODEL_FAMILIES
+from ddpkit.models.hf import is_hf_folder, open_folder
 
 
 def is_foreign(folder: Path) -> bool:
@@ -44,9 +45,7 @@ class FolderReader(StorageReader):
     @property
     def tensors(self) -> Any:
         if self._tensors is None:
-            from ddpkit.models.hf import open_folder
-
-            self._tensors = open_folder(self.folder).tensors_or_refuse()
+            self._tensors = open_folder(self.folder, MODEL_FAMILIES.entries()).tensors_or_refuse()
         return self._tensors
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:

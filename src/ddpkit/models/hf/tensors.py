@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ddpkit.errors import UserError
 from ddpkit.models.family import HFConverter, HFTensor
@@ -82,8 +83,6 @@ class FolderTensors:
     @contextlib.contextmanager
     def opened(self) -> Iterator[FolderTensors]:
         """Keep the safetensors files open while reading many tensors."""
-        from safetensors import safe_open
-
         if self._open:  # already open: the outer one closes them
             yield self
             return

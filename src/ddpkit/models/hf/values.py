@@ -10,6 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ddpkit.cluster.machine import machine_memory
+from ddpkit.config import key_specs, load_config
+from ddpkit.config.schema import check_value, shown
 from ddpkit.errors import UserError
 from ddpkit.models.family import REQUIRED, HFConverter, ModelFamily
 from ddpkit.models.hf.files import CONFIG, HINT, read_config
@@ -40,8 +43,6 @@ def family_for(raw: dict[str, Any], folder: Path, families: Iterable[ModelFamily
     readers = [f for f in families if f.hf is not None]
     family = next((f for f in readers if f.hf.model_type == kind), None)
     if family is None:
-        from ddpkit.config.schema import shown
-
         known = " and ".join(f"{f.hf.label} ({f.hf.model_type})" for f in readers)
         raise UserError(
             f"'{folder}' holds a model of type {shown(kind)}; ddpkit reads the {known} architectures", HINT
@@ -56,8 +57,6 @@ def _same(a: Any, b: Any) -> bool:
 def _value(h: Any, raw: dict[str, Any], path: Path) -> tuple[str, Any, Any]:
     """(the name read, config.json's value, the value in the key's terms) of HFKey `h`; a UserError when it is
     required and absent, or not one of its `values`."""
-    from ddpkit.config.schema import shown
-
     found = [(n, v) for n in h.names if (v := lookup(raw, n, path)) is not MISSING and v is not None]
     name, theirs = found[0] if found else (h.names[0], h.default)
     if theirs is REQUIRED:
@@ -73,9 +72,6 @@ def _value(h: Any, raw: dict[str, Any], path: Path) -> tuple[str, Any, Any]:
 
 def key_values(conv: HFConverter, raw: dict[str, Any], path: Path) -> dict[str, Any]:
     """{config key: its value} of every HFKey, each checked by its key's type and bounds."""
-    from ddpkit.config import key_specs
-    from ddpkit.config.schema import check_value, shown
-
     specs, out = key_specs(), {}
     for h in conv.keys:
         name, _, value = _value(h, raw, path)
@@ -96,8 +92,6 @@ def key_values(conv: HFConverter, raw: dict[str, Any], path: Path) -> dict[str, 
 
 def check_fixed(conv: HFConverter, raw: dict[str, Any], path: Path) -> None:
     """Every `fixed` value is absent, null or one the model holds."""
-    from ddpkit.config.schema import shown
-
     for f in conv.fixed:
         value = lookup(raw, f.name, path)
         if value is not MISSING and value is not None and not any(_same(value, a) for a in f.allowed):
@@ -117,8 +111,6 @@ def their_words(text: str, conv: HFConverter) -> str:
 def folder_config(family: ModelFamily, raw: dict[str, Any], path: Path) -> Any:
     """The Config whose model (model.arch = the family) and data keys are config.json's values, every rule of
     those keys checked; a one-line UserError naming `path` otherwise."""
-    from ddpkit.config import load_config
-
     conv = family.hf
     values = key_values(conv, raw, path)
     check_fixed(conv, raw, path)
@@ -147,8 +139,6 @@ def check_size(family: ModelFamily, cfg: Any, path: Path) -> None:
 
 
 def refuse_size(params: int, path: Path) -> None:
-    from ddpkit.cluster.machine import machine_memory
-
     need, have = 4 * params, machine_memory()
     if need > have:
         raise UserError(
@@ -161,8 +151,6 @@ def refuse_size(params: int, path: Path) -> None:
 def folder_defaults(path: str, families: Iterable[ModelFamily]) -> dict[str, tuple[Any, str]]:
     """model.init_from's defaults: {config key: (the folder's value, where it says so)} for model.arch and every
     key its family's converter reads with `init`; the folder's config.json checked first."""
-    from ddpkit.config.schema import shown
-
     folder = Path(path)
     raw = read_config(folder)
     family = family_for(raw, folder, families)
