@@ -220,7 +220,9 @@ def init_from(model: nn.Module, path: str, report: Any = None) -> None:
 def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = None) -> None:
     """model.init_from under any layout: the folder read as a sharded checkpoint by the strategy that laid the
     model out (`Strategy.load_sharded`), so each rank reads only the slices it holds. Collective."""
-    FolderReader(path).tensors  # noqa: B018  every check of the folder, one line each, before reading
+    folder = FolderReader(path)
+    total = sum(e.numel for e in folder.tensors.entries.values())  # every check of the folder, before reading
+    before = FolderReader.READ.get(folder.folder, 0)
     try:
         strategy.load_sharded(wrapped, None, path, {})
     except (KeyError, ValueError) as e:
@@ -228,4 +230,7 @@ def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = Non
             f"model.init_from '{path}' does not fit this model: {first_line(e)}", INIT_HINT
         ) from None
     if report is not None:
-        report(f"model.init_from: every tensor from {path}, each rank its own slices")
+        read = FolderReader.READ.get(folder.folder, 0) - before
+        report(
+            f"model.init_from: every tensor from {path} ({read:,} of its {total:,} values read on this rank)"
+        )

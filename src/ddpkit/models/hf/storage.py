@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -34,13 +34,15 @@ def is_foreign(folder: Path) -> bool:
 class FolderReader(StorageReader):
     """DCP's StorageReader over a Hugging Face folder of a family that declares its converter's table; the folder
     is checked (config.json's values, the tensors' names, dtypes and shapes) when its metadata is first read.
-    `read_elements` counts the elements this process read (what a test of the sliced reads looks at)."""
+    `READ` counts, per folder, the elements this process has read from it (what `model.init_from`'s line reports
+    and a test of the sliced reads looks at)."""
+
+    READ: ClassVar[dict[Path, int]] = {}
 
     def __init__(self, folder: str | os.PathLike):
         super().__init__()
         self.folder = Path(folder)
         self._tensors: Any = None
-        self.read_elements = 0
 
     @property
     def tensors(self) -> Any:
@@ -77,7 +79,7 @@ class FolderReader(StorageReader):
                 value = self.tensors.read(
                     item.storage_index.fqn[len(MODEL) :], item.storage_offsets, item.lengths
                 )
-                self.read_elements += value.numel()
+                self.READ[self.folder] = self.READ.get(self.folder, 0) + value.numel()
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(value)
                 planner.commit_tensor(item, target)
