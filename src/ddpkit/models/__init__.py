@@ -155,8 +155,15 @@ def model_family(arch: str) -> ModelFamily:
 
 
 def family_of_module(model: nn.Module) -> ModelFamily | None:
-    """The registered family that builds models of `model`'s class (its `module_types`), or None."""
-    return next((f for f in MODEL_FAMILIES.values() if isinstance(model, f.module_types)), None)
+    """The registered family that builds models of `model`'s class (its `module_types`), or None: the one of the
+    nearest class in its method resolution order, so a family whose model subclasses another's (Qwen2's of the
+    Llama) is found for its own model, whatever order the families are asked in."""
+    families = list(MODEL_FAMILIES.values())
+    for cls in type(model).__mro__:
+        owner = next((f for f in families if cls in f.module_types), None)
+        if owner is not None:
+            return owner
+    return None
 
 
 def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
