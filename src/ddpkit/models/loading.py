@@ -46,7 +46,6 @@ class Loaded:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path` itself when it is a checkpoint; in a run directory (or its checkpoints/ folder) the best checkpoint,
     else the last; UserError when there is none."""
-
     p = Path(os.path.expanduser(str(path)))
     if p.is_file() or is_sharded(p):
         return p
