@@ -19,6 +19,7 @@ from ddpkit.models.family import ModelFamily, images_refused
 from ddpkit.models.flops import decoder_flops
 from ddpkit.models.keys import activation_bytes, check_moe_keys, expert_width, moe_blocks, n_experts
 from ddpkit.models.llama.model import Llama, SwiGLU, check_keys, swiglu_width
+from ddpkit.models.mixtral import hf
 from ddpkit.models.mixtral.keys import CARD
 
 
@@ -58,6 +59,18 @@ class ExpertLlama(Llama):
     @property
     def experts_per_token(self) -> int:
         return self.routing.top_k
+
+    @property
+    def moe_score(self) -> str:
+        return self.routing.score
+
+    @property
+    def moe_norm_topk(self) -> bool:
+        return self.routing.norm_topk
+
+    @property
+    def moe_balance(self) -> str:
+        return "bias" if self.routing.bias else "aux"
 
     def block(self, i: int, mlp: nn.Module | None = None) -> nn.Module:
         if mlp is None and i in moe_blocks(self.n_layer, self.moe_every):
@@ -149,5 +162,6 @@ FAMILY = ModelFamily(
     build=images_refused,
     names=lambda: [CARD.name],
     **family_fields(Mixtral),
+    hf=hf.CONVERTER,
     order=310,
 )
