@@ -82,7 +82,6 @@ def _wrapped(model: nn.Module) -> bool:
 
 def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
     """(layout, mesh) of prepare(tp=...): the mesh only when there is a model to split."""
-
     if tp_plan is not None and tp == 1:
         raise UserError("ddpkit.prepare got a tp_plan but tp=1", "pass tp=2 (or more) with the plan")
     try:
