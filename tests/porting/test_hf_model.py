@@ -179,3 +179,27 @@ def test_transformers_tp_styles_without_a_torch_counterpart_are_refused():
     finally:
         type(model)._tp_plan = saved
     assert hf_model.split_names(_tiny(layers=5), 2) == ["model.layers.3"]  # the first stage one longer
+
+
+def test_what_a_pipeline_stage_gives_and_its_loss_are_checked_in_one_line():
+    from torch.distributed.pipelining._utils import PipeliningMetadataError
+
+    from ddpkit.parallel.pipeline import passing
+
+    stage = torch.nn.Identity()
+    stage.ddpkit_model, stage.ddpkit_gives = "Wrapper", ["h", "the output of rotary_emb"]
+    passing.check_output((torch.ones(1), torch.ones(1)), stage, 0, 2)  # tensors pass
+    with pytest.raises(
+        UserError, match="stage 0 of Wrapper gives stage 1 a tuple of 2 tensors as its value 1 "
+    ):
+        passing.check_output((torch.ones(1), (torch.ones(1), torch.ones(1))), stage, 0, 2)
+    with pytest.raises(UserError, match="the last, gives loss_fn a dict"):
+        passing.check_output({"logits": torch.ones(1)}, stage, 1, 2)
+    per_token = passing.checked_loss(lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    with pytest.raises(UserError, match=r"loss_fn gave a tensor of shape \(3,\); .* one number"):
+        per_token(torch.randn(3, 5), torch.tensor([0, 1, 2]))
+    raw = RuntimeError("failed to run forward")
+    raw.__cause__ = PipeliningMetadataError("Stage 1 forward inputs: shape: expected (2, 8), got (2, 9)")
+    told = passing.refusal(raw)
+    assert isinstance(told, UserError) and "expected (2, 8), got (2, 9)" in str(told)
+    assert passing.refusal(ValueError("the model's own bug")) is None  # keeps its traceback

@@ -10,6 +10,7 @@ it) and whose stage it is (`ddpkit_model`: the model's class name).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,27 @@ def check_output(out: Any, stage: nn.Module, index: int, n_stages: int) -> None:
         )
 
 
+def checked_loss(loss_fn: Callable) -> Callable:
+    """`loss_fn`, whose value is checked to be what the schedule's backward starts from: one number."""
+
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        value = loss_fn(output, target)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = (
+                f"a tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else described(value)
+            )
+            raise UserError(
+                f"the pipeline's loss_fn gave {shape}; a pipeline's backward starts from the micro-batch's mean "
+                "loss, one number",
+                "return the mean: e.g. F.cross_entropy(logits.flatten(0, 1), targets.flatten())",
+            )
+        return value
+
+    return loss
+
+
 def refusal(error: BaseException) -> BaseException | None:
     """What to raise for `error`, raised inside a pipeline schedule's step: the UserError behind it (a stage's
     check, under torch's RuntimeError), torch's PipeliningMetadataError as one UserError, or None (raise
@@ -79,4 +101,4 @@ def refusal(error: BaseException) -> BaseException | None:
     return None
 
 
-__all__ = ["check_output", "described", "refusal"]
+__all__ = ["check_output", "checked_loss", "described", "refusal"]

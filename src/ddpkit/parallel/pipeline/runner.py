@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.pipeline import stage_state
-from ddpkit.parallel.pipeline.passing import check_output, refusal
+from ddpkit.parallel.pipeline.passing import check_output, checked_loss, refusal
 from ddpkit.parallel.pipeline.plan import stage_ids
 from ddpkit.parallel.pipeline.split import owned_parameters
 
@@ -138,7 +138,9 @@ class PipelineRunner:
         ]
         cls = _schedule_class(schedule)
         self.schedule = cls(
-            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0], n_microbatches, loss_fn=loss_fn
+            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0],
+            n_microbatches,
+            loss_fn=checked_loss(loss_fn),
         )
 
     def _wrap(self, module: nn.Module, sid: int) -> nn.Module:
