@@ -131,7 +131,7 @@ def run_command(argv: Sequence[str]) -> int:
     local_rank.arrange(args.pass_local_rank, target)
     if not spec.starts_workers:
         _exec(target)
-    warm = start_warm(spec, SCRIPT_WORKER)
+    warm = start_warm(spec, SCRIPT_WORKER, script=target)
     import torch
 
     from ddpkit.distributed.runtime import check_cpu_processes

@@ -172,7 +172,8 @@ def _worker_command(
     if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
         python_args = ["-u", "-m", usermain.__name__, *python_args]  # dies with us, runs the script
     if warm is not None and warm_start.running():
-        return warm_start.worker, (warm[0], list(warm[1]), warm_start.LaunchEnviron()), "forkserver"
+        launcher = (warm_start.LaunchEnviron(), warm_start.LaunchStdin())
+        return warm_start.worker, (warm[0], list(warm[1]), *launcher), "forkserver"
     return sys.executable, tuple(python_args), "spawn"
 
 

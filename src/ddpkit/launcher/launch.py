@@ -70,13 +70,16 @@ def set_thread_env(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-def start_warm(spec: Any, modules: list[str]) -> bool:
+def start_warm(spec: Any, modules: list[str], script: list[str] | None = None) -> bool:
     """Start the fork server that imports `modules` for the workers while this launcher imports torch for the
     agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
-    program of the user's own that calls ddpkit's command line)."""
+    program of the user's own that calls ddpkit's command line, a `script` that sets a thread variable such as
+    OMP_NUM_THREADS, which torch reads only as it is imported)."""
     from ddpkit.launcher import warm_start
 
     if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
+        return False
+    if script is not None and warm_start.sets_thread_variable(script):
         return False
     set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
     return warm_start.start(modules)
