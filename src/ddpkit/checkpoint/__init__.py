@@ -58,7 +58,7 @@ def unreadable_reason(e: BaseException) -> str:
     ):
         if needle in text:
             return reason
-    return f"{type(e).__name__}: {first_line(text, limit=150)}"
+    return f"{type(e).__name__}: {first_line(text, limit=70)}"
 
 
 def _not_a_file(path: Path) -> UserError:

@@ -98,7 +98,7 @@ class DistributedLoader:
     ):
         if isinstance(dataset, IterableDataset):
             raise UserError(
-                "a distributed loader needs a map-style data set (with __len__ and __getitem__), got an IterableDataset",
+                "a distributed loader needs a map-style data set (__len__, __getitem__), not an IterableDataset",
                 "shard an IterableDataset yourself with ddpkit.get_rank() / ddpkit.get_world_size()",
             )
         self.dataset = dataset
@@ -270,7 +270,7 @@ def _check_shardable(loader: DataLoader) -> None:
     if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
         raise UserError(
             "ddpkit.prepare cannot shard a DataLoader built with a batch_sampler of its own",
-            "give the DataLoader batch_size= and shuffle= instead, or shard the batches yourself with ddpkit.get_rank()",
+            "give it batch_size= and shuffle= instead, or shard the batches yourself with ddpkit.get_rank()",
         )
     if type(sampler) not in (RandomSampler, SequentialSampler):
         raise UserError(

@@ -18,8 +18,10 @@ import contextlib
 import faulthandler
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from multiprocessing import forkserver
 from typing import Any
@@ -42,6 +44,7 @@ SOURCE_BYTES = 1 << 20
 DISABLE_VAR = channels.WARM_START  # "0": workers start as fresh interpreters (python -u -m ddpkit ...)
 SERVER = "ddpkit.launcher.warm_server"
 _started = False
+_exits: str | None = None  # the folder the fork server writes each worker's exit status into
 
 
 def ends_without_finalization() -> bool:
@@ -95,11 +98,24 @@ def start(modules: Iterable[str]) -> bool:
     global _started
     if not available():
         return False
+    global _exits
     forkserver.set_forkserver_preload([SERVER, *modules])
-    with signals.launcher_env(), _environ(PYTHONUNBUFFERED="1"):  # the server dies with us; `python -u`
+    _exits = tempfile.mkdtemp(prefix="ddpkit-exits-")
+    # the server dies with us; `python -u`; it writes each worker's exit status into _exits
+    with signals.launcher_env(), _environ(PYTHONUNBUFFERED="1", **{channels.WORKER_EXITS: _exits}):
         forkserver.ensure_running()
     _started = True
     return True
+
+
+def worker_exits() -> dict[int, int]:
+    """{pid: exit status (negative: the signal)} of every worker the fork server has reaped so far."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_exits or ""):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(_exits, name)) as fh:
+                out[int(name)] = int(fh.read(32))
+    return out
 
 
 def running() -> bool:
@@ -109,13 +125,15 @@ def running() -> bool:
 
 def stop() -> None:
     """End the fork server now (the launch failed before any worker started): it holds our stdout open."""
-    global _started
+    global _started, _exits
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if _started and pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
         forkserver._forkserver._stop()
-    _started = False
+    if _exits:
+        shutil.rmtree(_exits, ignore_errors=True)
+    _started, _exits = False, None
 
 
 class LaunchEnviron:
@@ -177,6 +195,8 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     os.environ.clear()
     os.environ.update({**environ, **agent})
     os.environ.pop(signals.PARENT_VAR, None)  # not the launcher's child: it dies with the server
+    os.environ.pop(channels.WORKER_EXITS, None)
+    os.waitpid = warm_server.WAITPID  # the server's recording one is the server's
     if not (os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions):
         faulthandler.disable()  # torch's function entry point enabled it; a program starts without it
     signals.die_with_parent(warm_server.SERVER_PID)

@@ -20,10 +20,7 @@ from ddpkit.models.family import HFConverter, ModelFamily
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20
-HINT = (
-    "give a folder saved by transformers' save_pretrained (config.json + model.safetensors) of an architecture "
-    "a model family reads"
-)
+HINT = "give a folder save_pretrained wrote (config.json, model.safetensors) of a family ddpkit reads"
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -40,7 +37,7 @@ def read_config(folder: Path) -> dict[str, Any]:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
         cfg = loads_json(raw.decode("utf-8"))
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read '{path}': {first_line(e, limit=150, joined=True)}", HINT) from None
+        raise UserError(f"cannot read '{path}': {first_line(e, limit=50, joined=True)}", HINT) from None
     if not isinstance(cfg, dict):
         raise UserError(f"'{path}' is not a JSON object", HINT)
     return cfg
@@ -58,7 +55,9 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             index = json.loads((folder / INDEX).read_text())
             names = sorted(set(index["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(f"cannot read '{folder / INDEX}': {first_line(e, joined=True)}", HINT) from None
+            raise UserError(
+                f"cannot read '{folder / INDEX}': {first_line(e, limit=50, joined=True)}", HINT
+            ) from None
         files = [folder / n for n in names]
         outside = [n for n in names if Path(n).name != n]
         if outside:
@@ -70,7 +69,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             tensors.update(load_file(f, device="cpu"))
         except (OSError, SafetensorError) as e:
-            raise UserError(f"cannot read '{f}': {first_line(e, joined=True)}", HINT) from None
+            raise UserError(f"cannot read '{f}': {first_line(e, limit=50, joined=True)}", HINT) from None
     return tensors
 
 
@@ -137,7 +136,9 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
-        raise UserError(f"{where} does not fit this model: {first_line(e, joined=True)}", HINT) from None
+        raise UserError(
+            f"{where} does not fit this model: {first_line(e, limit=50, joined=True)}", HINT
+        ) from None
 
 
 def export(model: torch.nn.Module, out_dir: str | os.PathLike, family: ModelFamily | None) -> Path:

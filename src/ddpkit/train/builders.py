@@ -122,10 +122,8 @@ def load_weights(
             strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
-            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
-            "use the model.* settings it was trained with, or start afresh in another out_dir "
-            "(or with checkpoint.overwrite=true, which moves the earlier run aside)"
+            f"checkpoint '{path}' does not fit this model, model.arch={arch}: {first_line(e, 70, joined=True)}",
+            "same model.* keys, or checkpoint.overwrite=true"
             if optimizer is not None  # resuming a run
-            else "give the model.* settings it was trained with, or point checkpoint.path at a checkpoint "
-            "of this model",
+            else "its model.* keys, or another checkpoint.path",
         ) from None

@@ -57,7 +57,7 @@ def check_bounds(args: argparse.Namespace, block_size: int, vocab: int) -> None:
         raise UserError(
             f"--max-new-tokens {args.max_new_tokens} is over {CONTEXTS} times this model's context of "
             f"{block_size} tokens ({most})",
-            f"give at most {most}, and run generate again on its output for more",
+            f"give at most {most}; run generate on its output for more",
         )
     if args.top_k is not None and args.top_k > vocab:
         raise UserError(

@@ -67,7 +67,7 @@ class PipelineModel:
             ws = dist.get_world_size() if dist.is_initialized() else 1
             raise UserError(
                 f"ddpkit.prepare(pp={pp}) needs a multiple of {pp} processes, this job has {ws}",
-                f"launch it with `ddpkit run --nproc-per-node {pp} script.py` (or a multiple of {pp})",
+                f"launch it with `ddpkit run --nproc-per-node {pp} script.py`",
             )
         check_split_names(model, list(pp_split), pp * stages_per_rank(schedule))
         self.model, self.names, self.loss_fn = model, list(pp_split), loss_fn
