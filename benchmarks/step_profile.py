@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_bound import LR, MOMENTUM, SEED, WEIGHT_DECAY, data_overrides  # noqa: E402
 
-
 RESNET_SIZE = 512  # resnet18 on 32x32 synthetic images: 8 steps of 64 an epoch
 
 
