@@ -69,8 +69,8 @@ MOVED: dict[str, str] = {
             ("stage_state", "stage_state"),
         )
     },
-    "ddpkit.parallel.pipeline_trainer": _T + "pipeline.trainer",
-    "ddpkit.parallel.pipeline.trainer": _T + "pipeline.trainer",
+    "ddpkit.parallel.pipeline_trainer": _T + "steps.pipeline",
+    "ddpkit.parallel.pipeline.trainer": _T + "steps.pipeline",
 }
 
 

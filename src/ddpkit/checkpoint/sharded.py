@@ -25,9 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.atomicio import atomic_write, os_cause
 from ddpkit.checkpoint import dcp_io
 from ddpkit.checkpoint import state_dict as sd_mod
 from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE
+from ddpkit.checkpoint.unreadable import unreadable_reason
+from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import UserError
 
 FORMAT = "ddpkit.sharded/1"
@@ -100,9 +103,6 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
     Collective; rank 0 returns once the folder is in place."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.atomicio import atomic_write
-    from ddpkit.distributed.collectives import broadcast_object
-
     tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
     from torch.distributed.checkpoint.api import CheckpointException
@@ -125,8 +125,6 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
 def _write_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed DCP save on any rank (DCP wraps each rank's in a CheckpointException)."""
-    from ddpkit.atomicio import os_cause
-
     for failure in (getattr(e, "_failures", {}) or {}).values():
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
         if isinstance(cause, BaseException) and (found := os_cause(cause)) is not None:
@@ -166,8 +164,6 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
                 no_dist=_no_dist(),
             )
     except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
-        from ddpkit.checkpoint import unreadable_reason
-
         failures = getattr(e, "_failures", {}) or {}
         rank, failure = next(iter(failures.items()), (None, None))
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)

@@ -18,6 +18,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from ddpkit.data.checked import collate_for
 from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
 from ddpkit.distributed.collectives import derive_seed, get_rank, get_world_size
 from ddpkit.errors import UserError
@@ -332,8 +333,6 @@ def build_loaders(
     cfg: Config, rank: int, world_size: int, train_ds: Dataset, val_ds: Dataset
 ) -> tuple[DistributedLoader, DataLoader]:
     """The trainer's (train, val) loaders from cfg.train, cfg.eval, cfg.data and cfg.seed."""
-    from ddpkit.data.checked import collate_for
-
     workers = cfg.data.num_workers
     common = {"num_workers": workers, "pin_memory": cfg.data.pin_memory, "persistent_workers": workers > 0}
     train = DistributedLoader(

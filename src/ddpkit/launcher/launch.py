@@ -25,7 +25,7 @@ from ddpkit.diagnostics import stacks
 from ddpkit.distributed import reaper
 from ddpkit.distributed.blame import describe_exit
 from ddpkit.errors import Preempted, UserError, WorkerFailure
-from ddpkit.launcher import signals
+from ddpkit.launcher import signals, warm_start
 from ddpkit.launcher.spec import (  # noqa: F401  (importable from here, where they were first)
     LAUNCH_FLAGS,
     STARTER_FLAGS,
@@ -76,8 +76,6 @@ def start_warm(spec: Any, modules: list[str], script: list[str] | None = None) -
     agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
     program of the user's own that calls ddpkit's command line, a `script` that sets a thread variable such as
     OMP_NUM_THREADS, which torch reads only as it is imported)."""
-    from ddpkit.launcher import warm_start
-
     if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
         return False
     if script is not None and warm_start.sets_thread_variable(script):

@@ -10,7 +10,6 @@ the registry is first asked. torchvision and timm are imported inside the functi
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
 from ddpkit.config.declared import before_keys, declare, declare_values
+from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
 from ddpkit.registry import Registry
@@ -149,18 +149,21 @@ def model_family(arch: str) -> ModelFamily:
         owner.check(arch)
         return owner
     names = [name for family in MODEL_FAMILIES.values() for name in family.names()]
-    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
-    hint = (
-        f"did you mean '{close[0]}'?"
-        if close
-        else "use cnn, mlp, a torchvision classification model such as resnet18"
-    )
+    otherwise = "use cnn, mlp, a torchvision classification model such as resnet18"
+    hint = MODEL_FAMILIES.hint(arch.lower(), names, cutoff=0.5, otherwise=otherwise)
     raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
 
 
 def family_of_module(model: nn.Module) -> ModelFamily | None:
-    """The registered family that builds models of `model`'s class (its `module_types`), or None."""
-    return next((f for f in MODEL_FAMILIES.values() if isinstance(model, f.module_types)), None)
+    """The registered family that builds models of `model`'s class (its `module_types`), or None: the one of the
+    nearest class in its method resolution order, so a family whose model subclasses another's (Qwen2's of the
+    Llama) is found for its own model, whatever order the families are asked in."""
+    families = list(MODEL_FAMILIES.values())
+    for cls in type(model).__mro__:
+        owner = next((f for f in families if cls in f.module_types), None)
+        if owner is not None:
+            return owner
+    return None
 
 
 def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
@@ -192,8 +195,6 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     """A language model needs token data and a classifier images; the family's own keys fit together."""
-    from ddpkit.data.registry import get_dataset
-
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens
     if family.tokens and not tokens:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ddpkit.atomicio import atomic_write
+from ddpkit.config.bounded import loads_json
 from ddpkit.errors import UserError, first_line
 from ddpkit.models.family import HFConverter, ModelFamily
 
@@ -28,7 +30,6 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    from ddpkit.config.bounded import loads_json
 
     path = folder / CONFIG
     try:
@@ -144,8 +145,6 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -
 def export(model: torch.nn.Module, out_dir: str | os.PathLike, family: ModelFamily | None) -> Path:
     """Write `model` (of `family`, whose converter names its tensors) as a Hugging Face folder: config.json and
     model.safetensors, in float32."""
-    from ddpkit.atomicio import atomic_write
-
     hf = converter(family, model)
     cfg = {"bos_token_id": None, "eos_token_id": None, **hf.config(model), "torch_dtype": "float32"}
     tensors = {k: v.detach().float().contiguous().clone() for k, v in hf.to_theirs(model).items()}

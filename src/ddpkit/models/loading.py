@@ -11,7 +11,14 @@ from typing import Any
 
 from torch import nn
 
+from ddpkit import config as config_mod
+from ddpkit import models
+from ddpkit.checkpoint import check_file, load_checkpoint
+from ddpkit.checkpoint.sharded import is_sharded, read_model
+from ddpkit.data.text.tokenizer import FILE, read_file
 from ddpkit.errors import UserError
+from ddpkit.models import MODEL_FAMILIES, family_of_module
+from ddpkit.models.hf import is_hf_folder, load_folder, load_into
 
 NAMES = ("best.pt", "best.dcp", "last.pt", "last.dcp")
 
@@ -28,9 +35,6 @@ class Loaded:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path` itself when it is a checkpoint; in a run directory (or its checkpoints/ folder) the best checkpoint,
     else the last; UserError when there is none."""
-    from ddpkit.checkpoint import check_file
-    from ddpkit.checkpoint.sharded import is_sharded
-
     p = Path(os.path.expanduser(str(path)))
     if p.is_file() or is_sharded(p):
         return p
@@ -50,11 +54,6 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 def from_checkpoint(path: str | os.PathLike) -> Loaded:
     """The language model of a ddpkit checkpoint (any layout it was trained in), on one process."""
-    from ddpkit import config as config_mod
-    from ddpkit import models
-    from ddpkit.checkpoint import load_checkpoint
-    from ddpkit.checkpoint.sharded import is_sharded, read_model
-
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
@@ -71,14 +70,11 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
         )
     vocab = sd["tok_emb.weight"].shape[0]
     model = family.build_lm(cfg.model.arch, vocab, cfg.data.block_size, cfg.model)
-    from ddpkit.models.hf import load_into
 
     load_into(model, sd, f"checkpoint '{source}'")
     tok = state.get("tokenizer")
     if not isinstance(tok, str):
         for run in (source.parent.parent, source.parent):
-            from ddpkit.data.text.tokenizer import FILE, read_file
-
             if (run / FILE).is_file():
                 tok = read_file(run / FILE, "the run's tokenizer")
                 break
@@ -90,9 +86,6 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """The model of the family whose Hugging Face converter reads the folder (the built-in GPT for GPT-2's, the
     Llama for Llama's), holding the folder's weights."""
-    from ddpkit.models import MODEL_FAMILIES
-    from ddpkit.models.hf import load_folder, load_into
-
     family, shape, sd = load_folder(path, MODEL_FAMILIES.entries())
     model = family.hf.build(**shape)
     load_into(model, sd, f"'{path}'")
@@ -100,7 +93,6 @@ def from_hf(path: str | os.PathLike) -> nn.Module:
 
 
 def load(path: str | os.PathLike) -> Loaded:
-    from ddpkit.models.hf import is_hf_folder
 
     if is_hf_folder(path):
         return Loaded(from_hf(path), Path(path), None)
@@ -115,9 +107,6 @@ def load_model(path: str | os.PathLike) -> nn.Module:
 
 def init_from(model: nn.Module, path: str, report: Any = None) -> None:
     """model.init_from: a Hugging Face folder's weights into the freshly built `model` (shapes must agree)."""
-    from ddpkit.models import MODEL_FAMILIES, family_of_module
-    from ddpkit.models.hf import is_hf_folder, load_folder, load_into
-
     if not is_hf_folder(path):
         raise UserError(
             f"model.init_from '{path}' is not a Hugging Face folder (no config.json in it)",

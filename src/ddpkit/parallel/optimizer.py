@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 
 # what torch's optimizers keep in `defaults` that their constructor does not take or that the new one re-derives
 _DERIVED = ("differentiable",)
@@ -106,8 +106,6 @@ def rebuild_optimizer(
     try:
         new = type(old)(groups, **constructor_kwargs(old))
     except (TypeError, ValueError, RuntimeError) as e:
-        from ddpkit.errors import first_line
-
         raise UserError(
             f"{where}: {_name(old)} cannot be made again over the prepared parameters: {first_line(e, 60)}",
             "drop that option, or build the optimizer after prepare()",

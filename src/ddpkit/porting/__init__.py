@@ -21,9 +21,13 @@ from torch.utils.data import DataLoader
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
+from ddpkit.parallel.mesh import build_mesh, layout_of
+from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.optimizer import rebuild_optimizer
+from ddpkit.parallel.pipeline.user_model import PipelineModel
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
+from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 from ddpkit.porting.roles import prepare_loader, remember_model, roles_for
 
 
@@ -37,7 +41,6 @@ def _context() -> DistContext:
 
 
 def _sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
-    from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -77,8 +80,6 @@ def _wrapped(model: nn.Module) -> bool:
 
 def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
     """(layout, mesh) of prepare(tp=...): the mesh only when there is a model to split."""
-    from ddpkit.parallel.mesh import build_mesh, layout_of
-
     if tp_plan is not None and tp == 1:
         raise UserError("ddpkit.prepare got a tp_plan but tp=1", "pass tp=2 (or more) with the plan")
     try:
@@ -94,8 +95,6 @@ def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
 
 def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
     """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
-    from ddpkit.parallel.pipeline.user_model import PipelineModel
-
     if not pp_split or loss_fn is None:
         raise UserError(
             f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",
@@ -284,8 +283,6 @@ def _prepared_model(
             moved = _sync_bn(moved, ctx.device)
         before = list(moved.parameters())
         if mesh is not None:
-            from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
-
             apply_tensor_parallel(moved, mesh["tp"], tp_plan)
         out[id(model)] = chosen.wrap(moved)
         for opt in optimizers:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from ddpkit.distributed import runtime
+from ddpkit.errors import CollectiveFailure, first_line
 
 KEY = "ddpkit/hb/{rank}"
 # Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
@@ -172,8 +173,6 @@ def explain_comm_failures(
 ) -> Iterator[None]:
     """Turn a failed collective into a CollectiveFailure naming the rank(s) that fell behind and the step (also
     given to `log`: log.txt)."""
-    from ddpkit.errors import CollectiveFailure, first_line
-
     try:
         yield
     except (RuntimeError, OSError) as e:

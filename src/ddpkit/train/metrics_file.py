@@ -4,7 +4,8 @@ The schema declares every field of a metrics line once (name, type, which lines 
 trainer reads its value when an epoch ends): the trainer builds each line through `make_row` (which refuses an
 undeclared field or a missing one) from `measured(EpochEnd(...))`, `ddpkit report` and `ddpkit bench` read their
 numbers by these names, and docs/run-dir.md's table is `doc_table()` (a test checks that the two agree). Adding
-a metric is one `Field` here, its `value` reading it from the trainer at the epoch's end. Reading keeps the epoch
+a metric is one `Field` here, its `value` taking it from the `EpochEnd` the trainer hands over at the epoch's end
+(one value there); no field reads the trainer. Reading keeps the epoch
 lines and skips and counts every other line (foreign text, a damaged or torn line, one nested too deeply, an
 epoch that is not a number), never fatal."""
 
@@ -30,53 +31,43 @@ class Field:
     kind: type
     meaning: str
     lines: Lines = "every"
-    # its value at the end of an epoch, read from an EpochEnd; None: the task gives it (train_*), the evaluation
+    # its value at the end of an epoch, taken from an EpochEnd; None: the task gives it (train_*), the evaluation
     # (val_*), or the run's first line (start-up, device and memory: measured once, train/trainer.py)
     value: Callable[[EpochEnd], Any] | None = None
 
 
 @dataclass(frozen=True)
 class EpochEnd:
-    """What there is to read when an epoch ends: the Trainer (its state, context, optimizer, data sets, log), the
-    epoch, and the epoch's own seconds."""
+    """The values an epoch's metrics line records, handed over by the trainer when the epoch ends."""
 
-    trainer: Any
     epoch: int
-    elapsed: float
-
-
-def _skipped_samples(end: EpochEnd) -> int:
-    """Collective: every rank reads it."""
-    from ddpkit.data import skipped_in_epoch
-
-    t = end.trainer
-    return skipped_in_epoch(t.train_set, t.val_set, end.epoch, t.log.info)
-
-
-def _peak_memory(end: EpochEnd) -> int:
-    """Collective: every rank reads it."""
-    from ddpkit.train.memory import largest_peak_memory
-
-    return largest_peak_memory(end.trainer.device)
+    elapsed: float  # the epoch's own seconds
+    step: int  # optimizer steps taken
+    world_size: int
+    global_batch: int  # samples per optimizer step over all ranks
+    lr: float  # what the next optimizer step would use
+    speed: dict[str, Any]  # flops_per_token, tflops_per_s_per_rank and mfu (models.flops.fields)
+    peak_memory: int  # the largest peak memory of the ranks (train.memory.largest_peak_memory: collective)
+    skipped: int  # undecodable samples left out in the epoch, all ranks (data.skipped_in_epoch: collective)
 
 
 _F, _I, _S = float, int, str
 FIRST = "first line only: "
 FIELDS: tuple[Field, ...] = (
     Field("epoch", _I, "the epoch (1-based)", value=lambda e: e.epoch),
-    Field("step", _I, "optimizer steps taken when the epoch ended", value=lambda e: e.trainer.state.step),
-    Field("world_size", _I, "ranks in the run", value=lambda e: e.trainer.ctx.world_size),
+    Field("step", _I, "optimizer steps taken when the epoch ended", value=lambda e: e.step),
+    Field("world_size", _I, "ranks in the run", value=lambda e: e.world_size),
     Field(
         "global_batch_size",
         _I,
         "samples per optimizer step over all ranks: `train.batch_size x world_size x train.grad_accum_steps`",
-        value=lambda e: e.trainer.global_batch,
+        value=lambda e: e.global_batch,
     ),
     Field(
         "lr",
         _F,
         "the learning rate at the end of the epoch (what the next optimizer step would use)",
-        value=lambda e: e.trainer.optimizer.param_groups[0]["lr"],
+        value=lambda e: e.lr,
     ),
     Field(
         "train_loss",
@@ -137,35 +128,35 @@ FIELDS: tuple[Field, ...] = (
         _I,
         "a language model's training FLOPs per token, 6 N + 12 L d T (parameters N, blocks L, width d, context T: "
         "docs/language-model.md); `null` for classifiers",
-        value=lambda e: e.trainer.speed["flops_per_token"],
+        value=lambda e: e.speed["flops_per_token"],
     ),
     Field(
         "tflops_per_s_per_rank",
         _F,
         "achieved model TFLOP/s per rank: `flops_per_token x train_tokens_per_s / world_size / 1e12`; `null` for "
         "classifiers",
-        value=lambda e: e.trainer.speed["tflops_per_s_per_rank"],
+        value=lambda e: e.speed["tflops_per_s_per_rank"],
     ),
     Field(
         "mfu",
         _F,
         "model FLOPs utilization: `tflops_per_s_per_rank` / the device's peak (`train.peak_tflops`, or a known "
         "GPU's bf16/fp16 peak under `train.amp`); `null` when no peak is known",
-        value=lambda e: e.trainer.speed["mfu"],
+        value=lambda e: e.speed["mfu"],
     ),
     Field(
         "peak_memory_bytes_per_rank",
         _I,
         "the largest peak memory of the ranks so far: CUDA's max allocated bytes on a GPU, the process's peak "
         "resident set size on a CPU",
-        value=_peak_memory,
+        value=lambda e: e.peak_memory,
     ),
     Field(
         "skipped_samples",
         _I,
         "undecodable training and validation samples left out in the epoch, all ranks (`data.skip_corrupt=true`; "
         "log.txt names their files); always 0 otherwise, since an undecodable sample then stops the run",
-        value=_skipped_samples,
+        value=lambda e: e.skipped,
     ),
     Field(
         "startup_s",

@@ -33,9 +33,6 @@ from ddpkit.distributed.runtime import DistContext
 from ddpkit.launcher import startup
 from ddpkit.models import flops
 from ddpkit.parallel.clip import clip_grad_norm_
-from ddpkit.parallel.compression import Compression
-from ddpkit.parallel.plan import build_strategy
-from ddpkit.parallel.strategy import ddp_options
 from ddpkit.train import curves, optim
 from ddpkit.train.builders import (
     load_weights,
@@ -44,16 +41,15 @@ from ddpkit.train.builders import (
     make_layout,
     make_model,
     split_model,
-    to_device,
 )
 from ddpkit.train.health import Heartbeat, explain_comm_failures
-from ddpkit.train.memory import MemoryProbe
+from ddpkit.train.memory import MemoryProbe, largest_peak_memory
 from ddpkit.train.metrics import RunLog, banner, epoch_line, final_line, read_metrics
 from ddpkit.train.metrics_file import EpochEnd, make_row, measured
-from ddpkit.train.pipeline import trainer as pipeline_trainer
 from ddpkit.train.rundir import RunDir
+from ddpkit.train.steps import StepRunner, build_runner
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
-from ddpkit.train.tasks import Task, evaluate, task_for
+from ddpkit.train.tasks import Task, evaluate, task_for  # noqa: F401  (evaluate: ddpkit.evaluate's module)
 from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
@@ -98,12 +94,11 @@ class Trainer:
         self.nonfinite = NonFiniteLoss(cfg.train.nonfinite, self.device, ctx.is_main, warn=self.log.info)
 
     def build(self) -> None:
-        """Layout, data, model, strategy, loaders, optimizer, lr schedule and gradient scaler, each from its
-        builder."""
+        """Layout, data, model, the step runner (the strategy or the pipeline around the model), loaders,
+        optimizer, lr schedule and gradient scaler, each from its builder."""
         cfg, ctx = self.cfg, self.ctx
         self.layout, self.mesh = make_layout(cfg, ctx)  # dp x tp x pp, and its device mesh when tp splits
         self.coords = self.layout.coords(ctx.rank)
-        self.counts = self.layout.counts(ctx.rank)  # this rank's sums are its dp replica's
         self.train_set, self.val_set, self.spec = make_datasets(cfg)
         startup.mark("data")
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
@@ -111,23 +106,27 @@ class Trainer:
         self.flops_per_token = flops.model_flops(cfg, self.spec)  # None for a classifier
         self.peak_tflops = cfg.train.peak_tflops or flops.known_peak(self.device, cfg.train.amp)
         self.autocast = make_autocast(self.device, cfg.train.amp)
-        replica, self.replicas = self._build_model()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
+        # activation checkpointing, and tensor parallelism over the mesh's "tp" dim (a pipeline applies it to
+        # each of its stages); then the runner of this layout's steps, chosen once
+        model = split_model(cfg, make_model(cfg, ctx, self.spec, report=self.log.info), self.mesh)
+        self.runner: StepRunner = build_runner(
+            cfg, ctx, model, layout=self.layout, mesh=self.mesh, spec=self.spec, device=self.device,
+            task=self.task, autocast=self.autocast, scaler=self.scaler, accum=cfg.train.grad_accum_steps,
+            channels_last=cfg.model.channels_last,
+        )  # fmt: skip
+        self.model, self.strategy, self.wrapped = self.runner.model, self.runner.strategy, self.runner.wrapped
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
             self.wrapped.compile()
         # ranks of one tensor / pipeline group read the same samples: shards by the dp coordinate and degree
+        replica, self.replicas = self.runner.replica
         self.train_loader, self.val_loader = data.build_loaders(
             cfg, replica, self.replicas, self.train_set, self.val_set
         )
         # micro-batches reach the device before their step: on CUDA the next one is copied while one computes
-        # channels_last inputs only for a model with convolutions (other models would have them copied for nothing)
-        parts = (
-            self.model if isinstance(self.model, (list, tuple)) else [self.model]
-        )  # a pipeline's: its stages
-        convolutions = any(p.dim() == 4 for part in parts for p in part.parameters())
-        self.channels_last = cfg.model.channels_last and convolutions
-        self.train_loader.move = DeviceBatches(self.device, self.channels_last)
+        self.train_loader.move = DeviceBatches(self.device, self.runner.channels_last)
         self.steps_per_epoch = self.train_loader.sampler.optimizer_steps_per_epoch
         accum = cfg.train.grad_accum_steps
         self.global_batch = optim.global_batch_size(cfg.train.batch_size, self.replicas, accum)
@@ -137,35 +136,7 @@ class Trainer:
             self.model, lambda m: optim.build_optimizer(m, cfg, self.lr)
         )
         self.scheduler = optim.build_scheduler(self.optimizer, cfg, self.steps_per_epoch, self.total_steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         startup.mark("model")
-
-    def _build_model(self) -> tuple[int, int]:
-        """The model, the strategy and the wrapped model; returns (this rank's data-parallel replica, replicas):
-        what the loaders shard by (under a pipeline the ranks of one pipeline read the same samples)."""
-        cfg, ctx = self.cfg, self.ctx
-        # activation checkpointing, and tensor parallelism over the mesh's "tp" dim (a pipeline applies it
-        # to each of its stages)
-        self.model = split_model(cfg, make_model(cfg, ctx, self.spec, report=self.log.info), self.mesh)
-        self.pipeline = None
-        if cfg.dist.pp > 1:
-            shape = (self.spec.in_channels, self.spec.image_size, self.spec.image_size)
-            self.pipeline = pipeline_trainer.build(cfg, ctx, self.model, self.task, self.autocast, shape)
-            self.model, self.strategy = self.pipeline.modules, pipeline_trainer.Strategy(ctx, self.pipeline)
-            self.wrapped = self.model
-            return self.pipeline.coords["dp"], self.pipeline.layout.dp
-        self.strategy = build_strategy(
-            cfg.dist.strategy,
-            ctx,
-            ddp_options(cfg.dist),
-            Compression.from_config(cfg.dist),
-            mesh=self.mesh,
-            offload=cfg.dist.offload,
-            dp_shard=self.layout.dp_shard,
-        )
-        self.wrapped = self.strategy.wrap(self.model)
-        # ranks of one tensor-parallel group read the same samples: shards by the dp coordinate and degree
-        return self.coords["dp"], self.layout.dp
 
     # ---- the recipe ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -205,9 +176,8 @@ class Trainer:
         reached; returns (loss, acc1, samples) of the epoch over all ranks."""
         cfg, state, accum = self.cfg, self.state, self.cfg.train.grad_accum_steps
         state.begin_epoch(epoch)
-        if self.pipeline is not None:
-            self.pipeline.begin_epoch(state.sums)
-        self.wrapped.train()  # once an epoch (evaluate() switches to eval mode between epochs)
+        self.runner.begin_epoch(state.sums)
+        self.runner.train()  # once an epoch (evaluate() switches to eval mode between epochs)
         first = state.consumed // self.global_batch  # optimizer steps of this epoch done before a resume
         self.log.epoch_start(epoch, cfg.train.epochs, self.steps_per_epoch, initial=first)
         with contextlib.closing(iter(self.train_loader)) as micro_batches:
@@ -222,9 +192,7 @@ class Trainer:
                     self.steps_per_epoch,
                     epoch,
                     cfg.train.epochs,
-                    self.pipeline.progress_sums(state.sums, done, self.steps_per_epoch, cfg.train.log_every)
-                    if self.pipeline
-                    else state.sums,
+                    self.runner.shown_sums(state.sums, done, self.steps_per_epoch, cfg.train.log_every),
                     cfg.train.log_every,
                 )
                 log_point = done % cfg.train.log_every == 0
@@ -247,10 +215,8 @@ class Trainer:
 
     def train_step(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over train.grad_accum_steps micro-batches; gradients sync on the last one only."""
-        if self.pipeline is not None:
-            pipeline_trainer.forward_backward(self, micro_batches)
-        else:
-            self._forward_backward(micro_batches)
+        for loss in self.runner.forward_backward(micro_batches, self.state.sums):
+            self.nonfinite.see(loss)  # the ranks compare their notes at the log points
         if self.nonfinite.skip_step(self.state.step + 1):
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -258,9 +224,7 @@ class Trainer:
             if self.cfg.train.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)
                 # the norm over every gradient of every layout (a pipeline's: over every stage)
-                clip_grad_norm_(
-                    self.pipeline.runner if self.pipeline else self.model, self.cfg.train.clip_grad_norm
-                )
+                clip_grad_norm_(self.runner.clip_target, self.cfg.train.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.memory.after_step(self.optimizer)
             self.scaler.update()
@@ -268,36 +232,10 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
 
-    def _forward_backward(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        accum = self.cfg.train.grad_accum_steps
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = to_device(x, y, self.device, self.channels_last)
-            # DDP: no_sync on all but the last micro-batch (its backward all-reduces the summed gradients)
-            with self.strategy.sync_context(self.wrapped, sync=i == accum - 1):
-                with self.autocast():
-                    logits = self.wrapped(x)
-                loss = self.task.loss(logits, y)
-                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
-            if self.counts:  # tensor-parallel peers computed the same numbers
-                self.task.accumulate(self.state.sums, loss, logits, y)
-            self.nonfinite.see(loss)
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Exact evaluation: every validation sample scored once, whatever the world size."""
-        if self.pipeline is not None:
-            return pipeline_trainer.evaluate(self)
-        return evaluate(
-            self.strategy.eval_module(self.wrapped),
-            self.val_loader,
-            self.device,
-            self.criterion,
-            self.autocast,
-            self.strategy.collective_forward or self.layout.tp > 1,
-            self.channels_last,
-            task=self.task,
-            counts=self.counts,
-        )
+        return self.runner.evaluate(self.val_loader)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, row: dict[str, Any] | None = None) -> None:
@@ -398,11 +336,18 @@ class Trainer:
         loss, acc1, units = train
         units -= self.state.resumed_samples  # the throughput of this process's part of the epoch
         train_fields = self.task.train_fields(loss, acc1, units, elapsed)
-        self.speed = flops.fields(
+        speed = flops.fields(
             self.flops_per_token, train_fields["train_tokens_per_s"], self.ctx.world_size, self.peak_tflops
-        )  # the schema's flops_per_token, tflops_per_s_per_rank and mfu read it
+        )
+        ended = {  # the collective ones in this order on every rank
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "speed": speed,
+            "peak_memory": largest_peak_memory(self.device),
+            "skipped": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+        }
+        step, world = self.state.step, self.ctx.world_size
         return make_row(
-            **measured(EpochEnd(self, epoch, elapsed)),
+            **measured(EpochEnd(epoch, elapsed, step, world, self.global_batch, **ended)),
             **train_fields,
             **val,
             **self._first_line_only(),

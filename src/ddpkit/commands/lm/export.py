@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit.commands import CommandParser
 from ddpkit.errors import UserError
+from ddpkit.models import family_of_module
 
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-    from ddpkit.commands import CommandParser
-
     p = CommandParser(prog="ddpkit export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a .pt / .dcp checkpoint or a run's out_dir")
     p.add_argument("--to", required=True, choices=["hf"], help="the format to write: hf (Hugging Face)")
@@ -24,7 +24,6 @@ def parser():
 def export_command(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
     from ddpkit.checkpoint import save_text
-    from ddpkit.models import family_of_module
     from ddpkit.models.hf import export
     from ddpkit.models.loading import from_checkpoint
 

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit.parallel.clip import clip_grad_norm_
+from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.plan import stage_ids
 from ddpkit.parallel.pipeline.split import owned_parameters
 
@@ -237,10 +240,13 @@ class PipelineRunner:
         skip = {id(s.param) for s in self.shared if min(sid % self.pp for sid in s.stages) != self.pp_rank}
         return [p for p in self.parameters() if id(p) not in skip]
 
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """What ddpkit.clip_grad_norm_ asks of a part of the model (parallel/clip.py): this rank's parameters,
+        those its part of the norm counts, and the group of the pipeline's ranks that hold the other parts."""
+        return self.parameters(), self.norm_parameters(), self.pp_group
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
-        from ddpkit.parallel.clip import clip_grad_norm_
-
         return clip_grad_norm_(self, max_norm)
 
     # ---- evaluation -----------------------------------------------------------------------------------
@@ -344,6 +350,4 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
     empty dict elsewhere. Collective over all ranks."""
-    from ddpkit.parallel.pipeline import stage_state
-
     return stage_state.model_state(runner.stages)

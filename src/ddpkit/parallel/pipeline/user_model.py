@@ -25,6 +25,7 @@ summed over those ranks after every step(), so each rank's copy takes the one-pr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,14 @@ class PipelineModel:
                 "give every step a batch of the same size (DataLoader(..., drop_last=True))",
             )
         return runner.step(x, y)[0]
+
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """What ddpkit.clip_grad_norm_ asks (parallel/clip.py): its runner's parts, once the first step built it."""
+        if self.runner is None:
+            raise UserError(
+                "ddpkit.clip_grad_norm_ before the pipeline's first step", "call it after model.step(x, y)"
+            )
+        return self.runner.grad_norm_parts()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of all stages together to 2-norm max_norm; returns the norm before clipping."""

@@ -1,7 +1,7 @@
 """fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
 
 Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
-further; a pipeline: each stage, train/pipeline/trainer.py); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
+further; a pipeline: each stage, train/steps/pipeline.py); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
 (CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
 """
 

@@ -1,0 +1,37 @@
+"""The step runners: the one object the Trainer asks for an optimizer step's forward and backward, the exact
+evaluation, what gradient clipping reaches and what a progress line shows (`StepRunner`, plain.py). build() asks
+`build_runner` once; the first entry of `RUNNERS` that takes the config builds it: a pipeline's for dist.pp > 1
+(pipeline.py: this rank's stages, the schedule feeding them, their checkpoints in full-model form), else the plain
+one (one model wrapped by its strategy). A layout with a step of its own (experts, ...) is one module here and one
+entry in `RUNNERS`; the Trainer holds no branch on the layout.
+
+A runner counts what a step computed into the sums it is handed (the trainer's RunningSums) and gives back the
+losses for the non-finite check; it reads nothing of the Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ddpkit.train.steps import pipeline, plain
+from ddpkit.train.steps.plain import StepRunner
+
+# (takes the config, builds the runner), asked in order
+RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[..., StepRunner]], ...] = (
+    (pipeline.takes, pipeline.build),
+    (lambda cfg: True, plain.build),
+)
+
+
+def build_runner(cfg: Any, ctx: Any, model: nn.Module, **parts: Any) -> StepRunner:
+    """The runner of cfg's layout over `model` (split already by tensor parallelism and activation checkpointing):
+    `parts` are the layout and mesh, the data's spec, the task, autocast, gradient scaler, device,
+    train.grad_accum_steps and model.channels_last."""
+    build = next(build for takes, build in RUNNERS if takes(cfg))
+    return build(cfg, ctx, model, **parts)
+
+
+__all__ = ["RUNNERS", "StepRunner", "build_runner"]
