@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
-from ddpkit.models.family import HFConverter, ModelFamily, images_refused
+from ddpkit.models.family import ModelFamily, images_refused
 from ddpkit.models.keys import activation_bytes, check_heads
 from ddpkit.models.llama import hf
 from ddpkit.models.llama.keys import CARD
@@ -274,9 +274,7 @@ FAMILY = ModelFamily(
     build_lm=builder(Llama),
     module_types=(Llama,),
     **STACK.family_fields(),
-    hf=HFConverter(
-        "llama", "Llama", hf.llama_shape, hf.llama_to_ours, Llama, hf.llama_config, hf.ours_to_llama
-    ),
+    hf=hf.CONVERTER,
     check_keys=check_keys,
     estimate=estimate_of,
     order=300,
