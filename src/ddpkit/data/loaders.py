@@ -334,8 +334,8 @@ def convert_loader(
             if batch % world:
                 raise UserError(
                     f"ddpkit.prepare(split_batches=True) cuts each batch of {batch} samples over {world} data-parallel "
-                    "ranks, which does not divide it",
-                    f"use a batch_size that is a multiple of {world}, or drop split_batches",
+                    "ranks, unevenly",
+                    f"use a batch_size {world} divides, or drop split_batches",
                 )
             batch, plain_rng = batch // world, True
         return DistributedLoader(

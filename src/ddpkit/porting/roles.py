@@ -141,8 +141,6 @@ def agreed(loader: Any) -> Any:
 def _same_order(mark: int) -> None:
     if len(set(all_gather_object(mark))) > 1:
         raise UserError(
-            "ddpkit.prepare: the ranks drew different orders for a training loader (its generator= or torch's "
-            "random stream is seeded differently on each rank), so they would not read one global batch",
-            "seed it alike on every rank before the pass (torch.manual_seed(S), or "
-            "DataLoader(generator=torch.Generator().manual_seed(S))); seed per-rank streams after",
+            "ddpkit.prepare: the ranks drew different orders for a training loader",
+            "seed it alike on every rank before the pass: torch.manual_seed(S) or DataLoader(generator=...)",
         )

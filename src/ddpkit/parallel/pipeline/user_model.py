@@ -160,9 +160,9 @@ class PipelineModel:
             )
         if self.shape is not None and (tuple(x.shape), x.dtype) != self.shape:
             raise UserError(
-                f"model.step() got x of shape {tuple(x.shape)} ({x.dtype}); the pipeline's stages pass tensors of "
-                f"the shapes its first step gave them, from x of shape {self.shape[0]} ({self.shape[1]})",
-                "give every step x of one shape (pad or cut sequences to one length)",
+                f"model.step() got x of shape {tuple(x.shape)} ({x.dtype}); the stages pass the shapes made "
+                f"from x of shape {self.shape[0]} ({self.shape[1]})",
+                "give every step x of one shape (pad or cut sequences)",
             )
         self.shape = (tuple(x.shape), x.dtype)
         try:
