@@ -198,8 +198,11 @@ class DistConfig:
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
     dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = opt(
-        "1f1b", "pipeline schedule (torch.distributed.pipelining)"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = opt(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining); interleaved_1f1b and interleaved_zb run two stages "
+        "per rank in a loop, zbv and dualpipev two per rank in a V; the last three split each backward to fill "
+        "the bubble (zero bubble)",
     )
     pp_microbatches: int | None = opt(
         None, "micro-batches per optimizer step through the pipeline; null: 2 x dist.pp", gt=0
