@@ -164,6 +164,9 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
     "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
+    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=selective": (
+        "tests/parallel/test_activation_checkpointing.py::test_selective_recomputation_equals_none_in_one_process"
+    ),
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
         "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"

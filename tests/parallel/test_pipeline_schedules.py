@@ -73,6 +73,9 @@ REFUSED = {
         "with dist.pp=2"
     ),
     ("dist.pp_schedule=dualpipev", "dist.strategy=hsdp"): "use dist.strategy=zero2",
+    ("dist.pp_schedule=interleaved_zb", "model.activation_checkpointing=selective"): (
+        "model.activation_checkpointing=selective with dist.pp_schedule=interleaved_zb cannot run with dist.pp=2"
+    ),
 }
 
 

@@ -110,8 +110,11 @@ class ModelConfig:
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
     )
-    activation_checkpointing: Literal["none", "full"] = opt(
-        "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
+    activation_checkpointing: Literal["none", "full", "selective"] = opt(
+        "none",
+        "none; full: every block's activations re-computed in backward (less memory, more compute); selective: "
+        "each block keeps its matmul and attention outputs and re-computes the cheap ops between them (torch's "
+        "op-level selective recomputation: memory and time between none and full)",
     )
 
 

@@ -126,6 +126,12 @@ def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
             "use dist.strategy=zero2 (sharded, gathered once per step), which the split backward of the "
             "zero-bubble schedules can follow, or another dist.pp_schedule",
         ),
+        (
+            d.pp_schedule in SPLIT_BACKWARD and model.activation_checkpointing == "selective",
+            f"model.activation_checkpointing=selective with dist.pp_schedule={d.pp_schedule}",
+            "use model.activation_checkpointing=full (torch's selective recomputation allows one backward per "
+            "block, the split backward runs two), or another dist.pp_schedule",
+        ),
     ]
 
 
