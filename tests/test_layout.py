@@ -171,12 +171,12 @@ def test_tests_mirror_the_package_and_import_helpers_from_conftest_only():
 
 def test_parallel_train_and_the_weight_formats_name_no_model_family():
     # what a model needs for tp, pp and activation checkpointing is its family's (ModelFamily), next to the model;
-    # so are its converters to other weight formats (ModelFamily.hf: models/hf.py reads and writes the folder)
+    # so are its converters to other weight formats (ModelFamily.hf: models/hf/ reads and writes the folder)
     names = re.compile(r"\b(gpt|llama|resnet|vgg|vit|timm)", re.I)
     files = [p for folder in ("parallel", "train") for p in sorted((SRC / folder).rglob("*.py"))]
     named = [
         f"{p.relative_to(SRC).as_posix()}:{i}: {line.strip()}"
-        for p in [*files, SRC / "models" / "hf.py"]
+        for p in [*files, *sorted((SRC / "models" / "hf").glob("*.py"))]
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if names.search(line)
     ]
@@ -290,25 +290,36 @@ def _module_name(path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path, modules: set[str]) -> set[str]:
-    """The ddpkit modules `path` imports when it is imported (its body and the if/try blocks there; not the
-    imports inside functions, nor those under `if TYPE_CHECKING`)."""
+def _every_import(tree):
+    """(import statement, inside a function, under TYPE_CHECKING) for every import statement of a module: its body,
+    its if/try and TYPE_CHECKING blocks, its classes and its functions alike."""
     import ast
 
-    found, todo = set(), list(ast.parse(path.read_text()).body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo += node.orelse
-        elif isinstance(node, (ast.If, ast.Try)):
-            todo += node.body + node.orelse + getattr(node, "finalbody", []) + getattr(node, "handlers", [])
-        elif isinstance(node, ast.ExceptHandler):
-            todo += node.body
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in found if m in modules}
+    def visit(node, in_function: bool, typing_only: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, in_function, typing_only
+            deeper = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            checking = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            yield from visit(child, deeper, typing_only or checking)
+
+    yield from visit(tree, False, False)
+
+
+def _import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+    """(module -> the ddpkit modules any of its import statements names, [(importer, target, line)] of those
+    inside functions)."""
+    import ast
+
+    trees = {_module_name(p): ast.parse(p.read_text()) for p in _sources()}
+    graph: dict[str, set[str]] = {m: set() for m in trees}
+    inside = []
+    for m, tree in trees.items():
+        for node, in_function, _ in _every_import(tree):
+            targets = _ddpkit_targets(node, trees) - {m}
+            graph[m] |= targets
+            inside += [(m, t, node.lineno) for t in sorted(targets) if in_function]
+    return graph, inside
 
 
 def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -329,13 +340,102 @@ def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycle_between_modules():
+    # every import statement counts, one inside a function or under TYPE_CHECKING too: an import that only
+    # dodges a cycle at run time leaves the cycle in the code
     # the finder itself: a two-module cycle and a chain
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    modules = {_module_name(p): p for p in _sources()}
-    graph = {name: _top_level_imports(path, set(modules)) - {name} for name, path in modules.items()}
-    assert sum(map(len, graph.values())) > 200  # the scan sees the imports
+    graph, inside = _import_graph()
+    assert sum(map(len, graph.values())) > 400 and len(inside) > 20  # the scan sees the imports
     assert _a_cycle(graph) == [], "modules that import each other: move what both need below them"
+
+
+# Third-party packages that take 15 ms or more to import (torch about 2 s): what an import inside a function may
+# defer. A module is heavy when importing it imports one of them (its top-level imports, followed through ddpkit).
+HEAVY = ("torch", "numpy", "yaml", "matplotlib", "tokenizers", "torchvision", "timm", "transformers")
+
+# The imports of a ddpkit module inside a function, each with why it waits: the importer is light and must stay
+# so (the command line and `import ddpkit` import no torch before a launch has started its fork server; a
+# config loads without torch or yaml's parser), and the target is heavy. The list is checked both ways.
+_TORCH_FREE_CLI = "the command line imports no torch before the launcher's fork server starts"
+_NO_YAML = "a config given as KEY=VALUE or read from a checkpoint needs no YAML parser"
+DEFERRED: dict[str, str] = {
+    "ddpkit.cli -> ddpkit.distributed.runtime": _TORCH_FREE_CLI,
+    "ddpkit.cli -> ddpkit.train.metrics": "only when stdout's reader went away (torch)",
+    "ddpkit.commands.bench -> ddpkit.config.safe_yaml": "bench reads the user's config file only when given one",
+    "ddpkit.commands.lm.export -> ddpkit.checkpoint": "`ddpkit export --help` imports no torch",
+    "ddpkit.commands.lm.export -> ddpkit.models.loading": "`ddpkit export --help` imports no torch",
+    "ddpkit.commands.run -> ddpkit.distributed.runtime": "a rank of `ddpkit run` execs the script without torch",
+    "ddpkit.commands.train -> ddpkit.checkpoint": _TORCH_FREE_CLI,
+    "ddpkit.commands.train -> ddpkit.train.health": _TORCH_FREE_CLI,
+    "ddpkit.commands.train -> ddpkit.train.rundir": _TORCH_FREE_CLI,
+    "ddpkit.commands.train -> ddpkit.train.trainer": _TORCH_FREE_CLI,
+    "ddpkit.config -> ddpkit.config.safe_yaml": _NO_YAML,
+    "ddpkit.config.bounded -> ddpkit.config.safe_yaml": _NO_YAML,
+    "ddpkit.config.keys -> ddpkit.config.safe_yaml": _NO_YAML,
+    "ddpkit.config.reference -> ddpkit.config.safe_yaml": _NO_YAML,
+    "ddpkit.data.builtin -> ddpkit.data.tensor_sets": "the data registry checks names without torch",
+    "ddpkit.data.registry -> ddpkit.data.checked": "the data registry checks names without torch",
+    "ddpkit.data.registry -> ddpkit.distributed.collectives": "the data registry checks names without torch",
+    "ddpkit.data.text -> ddpkit.checkpoint": "the data registry checks names without torch",
+    "ddpkit.data.text.tokenizer -> ddpkit.distributed.collectives": "the tokenizer reads its file without torch",
+    "ddpkit.data.vision -> ddpkit.data.tv_classes": "torchvision only for a torchvision data set",
+    "ddpkit.launcher.spawn -> ddpkit.distributed.runtime": "a spawned worker's parent imports no torch",
+    "ddpkit.launcher.usermain -> ddpkit.distributed.runtime": "a user's script runs before torch is imported",
+    "ddpkit.models -> ddpkit.models.hf": "model.arch is checked without torch",
+    "ddpkit.models -> ddpkit.models.torchvision.model": "model.arch is checked without torch",
+    "ddpkit.models -> ddpkit.models.weights": "model.arch is checked without torch",
+    "ddpkit.parallel.compression_method -> ddpkit.parallel.powersgd": "dist.grad_compression is checked without torch",
+    "ddpkit.parallel.plan -> ddpkit.models.blocks": "the layout is planned before workers start, without torch",
+    "ddpkit.parallel.strategies.zero1 -> ddpkit.parallel.optimizer": "a strategy's entry is read without torch",
+    "ddpkit.parallel.strategy -> ddpkit.checkpoint.sharded": "a strategy's entry is read without torch",
+    "ddpkit.parallel.strategy -> ddpkit.checkpoint.state_dict": "a strategy's entry is read without torch",
+    "ddpkit.train.curves -> ddpkit.train.metrics": "`ddpkit report` reads runs without torch",
+}
+MAX_DEFERRED = 60
+
+
+def _heavy_modules() -> set[str]:
+    """The ddpkit modules whose import imports a HEAVY package (their top-level imports and their parents')."""
+    import ast
+
+    modules = {_module_name(p): p for p in _sources()}
+    ours: dict[str, set[str]] = {}
+    heavy: set[str] = set()
+    for name, path in modules.items():
+        found = set()
+        for node, in_function, typing_only in _every_import(ast.parse(path.read_text())):
+            if in_function or typing_only:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            found |= {n for n in names if n.split(".")[0] == "ddpkit"}
+            if any(n.split(".")[0] in HEAVY for n in names):
+                heavy.add(name)
+        parents = {".".join(n.split(".")[:i]) for n in found | {name} for i in range(1, n.count(".") + 1)}
+        ours[name] = {n for n in found | parents if n in modules} - {name}
+    changed = True
+    while changed:
+        grown = {m for m, deps in ours.items() if deps & heavy} - heavy
+        heavy |= grown
+        changed = bool(grown)
+    return heavy
+
+
+def test_an_import_inside_a_function_defers_a_heavy_module_for_a_light_one():
+    heavy = _heavy_modules()
+    assert {"ddpkit.train.trainer", "ddpkit.config.safe_yaml"} <= heavy and "ddpkit.cli" not in heavy
+    assert not heavy & {"ddpkit", "ddpkit.cli", "ddpkit.config", "ddpkit.models", "ddpkit.commands"}
+    _, inside = _import_graph()
+    found = {f"{importer} -> {target}" for importer, target, _ in inside}
+    needless = sorted(
+        f"{i} -> {t} (line {n})" for i, t, n in inside if i in heavy or t not in heavy
+    )  # a heavy importer pays for its target anyway; a light target costs nothing to import at the top
+    assert needless == [], "move it to the top of its module"
+    assert sorted(found - set(DEFERRED)) == [], "a new import inside a function: say why in DEFERRED"
+    assert sorted(set(DEFERRED) - found) == [], "gone: take it off DEFERRED"
+    assert len(inside) <= MAX_DEFERRED and all(DEFERRED.values())
 
 
 def test_two_test_processes_at_once_never_share_a_port_range():
@@ -431,3 +531,36 @@ def test_the_trainer_branches_on_no_layout_and_no_metrics_field_reads_it():
     schema = ast.parse((SRC / "train" / "metrics_file.py").read_text())
     assert "trainer" not in {f.name for f in dataclasses.fields(EpochEnd)}
     assert [n.lineno for n in ast.walk(schema) if isinstance(n, ast.Attribute) and n.attr == "trainer"] == []
+
+
+def test_every_registry_loads_its_built_ins_one_way_and_says_did_you_mean_once():
+    # a registry's built-ins come through builtins= (made when it is first asked), never registered as a module
+    # is imported; the closest-name hint is Registry.hint, written once
+    import ast
+
+    made, eager = [], []
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Registry":
+                made.append((path.name, {k.arg for k in node.keywords}))
+        top_calls = [n.value for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+        top_calls += [
+            n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+        ]
+        loops = [n for n in tree.body if isinstance(n, ast.For)]
+        for call in top_calls + [c for loop in loops for c in ast.walk(loop) if isinstance(c, ast.Call)]:
+            name = ast.unparse(call.func)
+            if name.startswith("register") or name.endswith(".register"):
+                eager.append(f"{path.relative_to(SRC)}: {name}")
+    assert len(made) >= 6 and [m for m in made if "builtins" not in m[1]] == [], made
+    assert eager == [], "give the registry its built-ins with builtins="
+    hints = {p.relative_to(SRC).as_posix() for p in _sources() if "get_close_matches" in p.read_text()}
+    asked = {
+        "cli.py",
+        "models/__init__.py",
+        "data/registry.py",
+        "parallel/strategy.py",
+        "parallel/compression.py",
+    }
+    assert "registry.py" in hints and not asked & hints, hints

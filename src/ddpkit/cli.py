@@ -13,14 +13,23 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpkit.commands import Command, CommandParser, all_commands, get_command
-from ddpkit.errors import Failure, UserError, escaped
+from ddpkit.cluster.env import DistEnv, detect_env, manual_env
+from ddpkit.commands import COMMANDS, Command, CommandParser, all_commands, get_command
+from ddpkit.config import describe_keys, load_config
+from ddpkit.diagnostics import stacks
+from ddpkit.errors import Failure, UserError, describe_os_error, escaped
+from ddpkit.launcher import startup, warm_start
+from ddpkit.launcher.elastic import launch_elastic
+from ddpkit.launcher.launch import launch_spawn, start_warm
+from ddpkit.launcher.signals import die_with_launcher
+from ddpkit.launcher.spec import LAUNCH_FLAGS, add_launch_flags, spec_from_args, worker_argv
+from ddpkit.launcher.warm_start import exit_steps, main_is_ddpkit
+from ddpkit.parallel.mesh import layout_of
+from ddpkit.parallel.plan import check_config
 
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
-    from ddpkit.launcher.spec import add_launch_flags
-
     p = CommandParser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
         p.add_argument(
@@ -31,9 +40,9 @@ def command_parser(command: Command) -> argparse.ArgumentParser:
             action="store_true",
             help="print every config key with its default, type and meaning (docs/config.md), then exit",
         )
-    add_flags = getattr(command.module, "add_flags", None)
-    if add_flags is not None:
-        add_flags(p)
+    flags = command.hook("flags")
+    if flags is not None:
+        flags(p)
     if command.config != "none":
         what = (
             "dotted config overrides, e.g. train.epochs=5" if command.config == "train" else "dist.* settings"
@@ -64,15 +73,11 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
     name = argv[0]
     command = get_command(name)
     if command is None:
-        import difflib
-
         names = list(all_commands())
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "commands: " + ", ".join(names)
-        raise UserError(f"unknown command '{name}'", hint)
+        raise UserError(
+            f"unknown command '{name}'", COMMANDS.hint(name, names, otherwise="commands: " + ", ".join(names))
+        )
     if command.mode != "group":
-        from ddpkit.launcher.spec import LAUNCH_FLAGS
-
         given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
         if given:
             raise UserError(
@@ -84,7 +89,6 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
 
 
 def _load(command: Command, args: argparse.Namespace):
-    from ddpkit.config import load_config
 
     if command.config == "none":
         return None
@@ -103,14 +107,12 @@ def preflight(command: Command, cfg, env) -> None:
     from ddpkit.distributed.runtime import resolve_device_backend
 
     backend, _ = resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
-    from ddpkit.parallel.mesh import layout_of
-    from ddpkit.parallel.plan import check_config
 
-    if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
+    if command.plans_layout:  # the model can be split over these ranks, the strategy can run over them
         check_config(cfg, env.world_size, env.local_world_size, backend)
     else:
         layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
-    check = getattr(command.module, "preflight", None)
+    check = command.hook("preflight")
     if check is not None:
         check(cfg)
 
@@ -123,8 +125,6 @@ def run(argv: Sequence[str]) -> int:
         return int(script.function(argv[1:]) or 0)
     command, args = parse(argv)
     if getattr(args, "help_config", False):
-        from ddpkit.config import describe_keys
-
         print(describe_keys())
         return 0
     cfg = _load(command, args)
@@ -134,22 +134,16 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str]) -> int:
-    from ddpkit.launcher import startup, warm_start
-    from ddpkit.launcher.elastic import launch_elastic
-    from ddpkit.launcher.launch import launch_spawn, start_warm
-    from ddpkit.launcher.spec import spec_from_args, worker_argv
 
     spec = spec_from_args(args)
     if spec.starts_workers:
-        from ddpkit.cluster.env import DistEnv
-
         startup.publish()  # the workers measure their start-up from ours
-        preload = getattr(command.module, "preload", None)
+        preload = command.hook("preload")
         if preload is not None:
             start_warm(
                 spec, preload(cfg)
             )  # it imports torch for the workers while we import it for the agent
-        in_launcher = getattr(command.module, "in_launcher", None)
+        in_launcher = command.hook("in_launcher")
         tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
             nproc = spec.nproc_per_node or 1
@@ -168,7 +162,6 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
             print(f"curves: {path}", flush=True)
         return 0
 
-    from ddpkit.cluster.env import detect_env, manual_env
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     env = (
@@ -201,9 +194,6 @@ def _stdout_gone() -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
-    from ddpkit.diagnostics import stacks
-    from ddpkit.launcher.signals import die_with_launcher
-
     die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
     stacks.arm()  # SIGUSR2 dumps this process's Python stack
     argv = sys.argv[1:] if argv is None else argv
@@ -221,8 +211,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
         code = 130
     except OSError as e:  # a disk that filled up or went read-only, a path that is not a folder, ...
-        from ddpkit.errors import describe_os_error
-
         code = 0
         if not (isinstance(e, BrokenPipeError) and _stdout_gone()):  # `ddpkit k8s | head -1`: not an error
             what, hint = describe_os_error(e)
@@ -244,7 +232,6 @@ def _finished_launcher() -> bool:
     launch = sys.modules.get("ddpkit.launcher.launch")
     if launch is None or not launch.launched():
         return False
-    from ddpkit.launcher.warm_start import main_is_ddpkit
 
     return main_is_ddpkit()
 
@@ -256,8 +243,6 @@ def _exit_without_finalization(code: int) -> NoReturn:
     has nothing left for it to do."""
     import os
     import threading
-
-    from ddpkit.launcher.warm_start import exit_steps
 
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

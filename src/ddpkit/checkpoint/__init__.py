@@ -12,6 +12,11 @@ from typing import Any, BinaryIO
 import torch
 
 from ddpkit.atomicio import NotRegularFile, atomic_write, check_regular, sweep_temporaries
+from ddpkit.checkpoint import dcp_io, sharded
+from ddpkit.checkpoint.dcp_io import read_metadata, restore_aside, surviving, tensor_entries
+from ddpkit.checkpoint.fields import wrong_field
+from ddpkit.checkpoint.sharded import MODEL, SIDE, is_sharded
+from ddpkit.checkpoint.unreadable import unreadable_reason
 from ddpkit.errors import UserError, first_line, held_warnings
 
 EPOCH_RE = re.compile(r"^epoch_(\d{4,})\.(pt|dcp)$")
@@ -39,28 +44,6 @@ def _place(src: Path, dst: Path) -> None:
     atomic_write(dst, copy)
 
 
-def unreadable_reason(e: BaseException) -> str:
-    """Why torch.load(weights_only=True) failed, in a few words (torch's own message is long and its advice,
-    loading with weights_only=False, is wrong for a file from elsewhere)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    found = re.search(r"GLOBAL ([\w.]+)", text)
-    if found:
-        name = found.group(1)
-        what = "a pickled model object" if name.startswith("torch.nn.") else "Python objects"
-        return f"it holds {what} (GLOBAL {name}) that a safe load refuses to run"
-    if isinstance(e, EOFError):
-        return "it ends before its data does (empty or cut short)"
-    for needle, reason in (
-        ("central directory", "it is truncated or damaged (its zip directory is missing)"),
-        ("Unsupported operand", "it is not a torch.save file (not a pickle torch can read)"),
-        ("magic number", "it is not a torch.save file (wrong magic number)"),
-        ("invalid load key", "it is not a torch.save file"),
-    ):
-        if needle in text:
-            return reason
-    return f"{type(e).__name__}: {first_line(text, limit=150)}"
-
-
 def _not_a_file(path: Path) -> UserError:
     try:
         check_regular(path)
@@ -79,7 +62,6 @@ def _not_a_file(path: Path) -> UserError:
 
 
 def _is_sharded(path: str | os.PathLike) -> bool:
-    from ddpkit.checkpoint.sharded import is_sharded
 
     return is_sharded(path)
 
@@ -134,8 +116,6 @@ def load_checkpoint(
             "point to a complete checkpoint written by ddpkit train",
         ) from None
     if isinstance(state, dict):
-        from ddpkit.checkpoint.fields import wrong_field
-
         wrong = wrong_field(state, training="epoch" in require)
         if wrong:
             raise UserError(
@@ -161,9 +141,6 @@ def load_checkpoint(
 def _load_sharded_side(path: Path, require: tuple[str, ...]) -> dict[str, Any]:
     """A sharded checkpoint's state.pt (everything but the tensors), checked like a file's entries; the
     tensors' presence is read from its metadata (safely: see dcp_io)."""
-    from ddpkit.checkpoint.dcp_io import read_metadata, tensor_entries
-    from ddpkit.checkpoint.sharded import MODEL, SIDE
-
     side = path / SIDE
     if not side.is_file():
         raise UserError(
@@ -229,8 +206,6 @@ class CheckpointDir:
     def save_sharded(self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool) -> None:
         """The sharded counterpart of save_epoch (side["consumed"] == 0) and save_step, every rank writing its
         tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone."""
-        from ddpkit.checkpoint import dcp_io, sharded
-
         target = self.last if side["consumed"] else self.epoch_path(side["epoch"])
         sharded.write(target, tensors, side, is_main)
         if not is_main:
@@ -244,16 +219,12 @@ class CheckpointDir:
     def candidates(self) -> list[Path]:
         """The checkpoints a resume may continue from, newest first: last.pt or last.dcp (the newer first), then
         the epoch checkpoints. A last.dcp that a killed save left renamed aside counts as last.dcp."""
-        from ddpkit.checkpoint.dcp_io import surviving
-
         lasts = [p for p in (self.dir / "last.pt", surviving(self.dir / "last.dcp")) if p and p.exists()]
         return sorted(lasts, key=_mtime, reverse=True) + self.epoch_files()
 
     def sweep(self) -> None:
         """Remove the temporaries of saves that were killed half-way, only the names ddpkit makes (a folder
         renamed aside goes back)."""
-        from ddpkit.checkpoint.dcp_io import restore_aside
-
         if self.dir.is_dir() and not self.dir.is_symlink():
             for old in self.dir.glob(".*.dcp.prev"):
                 restore_aside(self.dir / old.name[1 : -len(".prev")])
@@ -272,8 +243,6 @@ class CheckpointDir:
 
 def _mtime(path: Path) -> float:
     """When a checkpoint was completed: its file's time, or a folder's state.pt's (written last)."""
-    from ddpkit.checkpoint.sharded import SIDE
-
     try:
         return (path / SIDE if path.is_dir() else path).stat().st_mtime
     except OSError:

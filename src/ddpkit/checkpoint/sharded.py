@@ -25,9 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.atomicio import atomic_write, os_cause
 from ddpkit.checkpoint import dcp_io
 from ddpkit.checkpoint import state_dict as sd_mod
 from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE
+from ddpkit.checkpoint.unreadable import unreadable_reason
+from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import UserError
 
 FORMAT = "ddpkit.sharded/1"
@@ -100,9 +103,6 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
     Collective; rank 0 returns once the folder is in place."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.atomicio import atomic_write
-    from ddpkit.distributed.collectives import broadcast_object
-
     tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
     from torch.distributed.checkpoint.api import CheckpointException
@@ -125,8 +125,6 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
 def _write_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed DCP save on any rank (DCP wraps each rank's in a CheckpointException)."""
-    from ddpkit.atomicio import os_cause
-
     for failure in (getattr(e, "_failures", {}) or {}).values():
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
         if isinstance(cause, BaseException) and (found := os_cause(cause)) is not None:
@@ -161,13 +159,11 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 template,
-                storage_reader=dcp_io.SafeReader(path),
+                storage_reader=dcp_io.reader_for(path),
                 planner=dcp_io.TensorsOnlyPlanner(),
                 no_dist=_no_dist(),
             )
     except CheckpointException as e:  # a BaseException: every rank raises it, with each rank's failure
-        from ddpkit.checkpoint import unreadable_reason
-
         failures = getattr(e, "_failures", {}) or {}
         rank, failure = next(iter(failures.items()), (None, None))
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
@@ -236,14 +232,20 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: Any, side: dict)
         sd_mod.load_optimizer(module, optimizer, _name_keyed(tensors, side, names), full=True)
 
 
-def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state of DCP folder `path` (names to full tensors), read in this process alone (as
-    torch.load reads a .pt file's `model`); collective when a process group exists."""
+def model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The full shape of each model tensor of DCP folder `path`, from its metadata (no tensor read)."""
+    entries = dcp_io.tensor_entries(dcp_io.read_metadata(path))
+    return {k[len(MODEL) :]: tuple(e.size) for k, e in entries.items() if k.startswith(MODEL)}
+
+
+def read_model(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full model state of DCP folder `path` (names to full tensors; only `names` when given), read in this
+    process alone (as torch.load reads a .pt file's `model`); collective when a process group exists."""
     md = dcp_io.read_metadata(path)
     template = {
         k: torch.empty(e.size, dtype=e.properties.dtype)
         for k, e in dcp_io.tensor_entries(md).items()
-        if k.startswith(MODEL)
+        if k.startswith(MODEL) and (names is None or k[len(MODEL) :] in names)
     }
     try:
         _dcp_load(Path(path), template)
@@ -252,3 +254,9 @@ def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"checkpoint '{path}': {e}", "give another checkpoint of the run (such as an epoch_NNNN.dcp)"
         ) from None
     return {k[len(MODEL) :]: v for k, v in template.items()}
+
+
+def read_tensor(path: str | os.PathLike, name: str) -> torch.Tensor:
+    """One model tensor of DCP folder `path`, whole: only its chunks are read (export streams a checkpoint
+    tensor by tensor)."""
+    return read_model(path, [name])[name]

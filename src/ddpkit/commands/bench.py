@@ -28,7 +28,10 @@ from ddpkit.commands.report import (
     png_bytes,
     write_bytes,
 )
+from ddpkit.commands.train import check_inputs
+from ddpkit.config import load_config
 from ddpkit.data.registry import get_dataset
+from ddpkit.data.text import VAL_FRACTION, min_chars
 from ddpkit.errors import UserError, WorkerFailure
 from ddpkit.models import language_models
 
@@ -89,8 +92,6 @@ def child_argv(cfg, args, n: int, steps: int | None, out_dir: Path) -> list[str]
         if "data.synthetic_val_size" not in user:
             own["data.synthetic_val_size"] = global_batch  # the final evaluation stays short
     if dataset == "text":  # about `steps` optimizer steps of blocks, and a tenth as much validation text
-        from ddpkit.data.text import VAL_FRACTION, min_chars
-
         train_chars = steps * global_batch * cfg.data.block_size + 1
         sized = math.ceil(train_chars / (1 - VAL_FRACTION)) + cfg.data.block_size
         own["data.text_bytes"] = max(sized, min_chars(cfg.data.block_size))
@@ -100,9 +101,6 @@ def child_argv(cfg, args, n: int, steps: int | None, out_dir: Path) -> list[str]
 def check_child_inputs(cfg, args, n: int, steps: int) -> None:
     """The checks `ddpkit train` runs on its inputs (data, model, layout), run here on the config of the first
     count's child, so that a bad input ends the bench before it prints anything."""
-    from ddpkit.commands.train import check_inputs
-    from ddpkit.config import load_config
-
     argv = child_argv(cfg, args, n, steps, Path(tempfile.gettempdir()) / "ddpkit-bench-check")
     overrides = [a for a in argv[argv.index("train") + 1 : -2] if "=" in a and not a.startswith("-")]
     check_inputs(load_config(args.config, overrides))

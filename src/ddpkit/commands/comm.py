@@ -22,6 +22,7 @@ from ddpkit.diagnostics.collective_bench import BUS_FACTOR, DTYPES, BenchRow, ru
 from ddpkit.diagnostics.collective_check import CHECKS, CheckRow, run_check
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
+from ddpkit.launcher.warm_start import EVERY_WORKER
 
 DEFAULT_SIZES = "4K-256M"
 
@@ -223,8 +224,6 @@ def _ensure_group(ctx: DistContext) -> None:
 
 def preload(cfg) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-    from ddpkit.launcher.warm_start import EVERY_WORKER
-
     return [*EVERY_WORKER, __name__, "ddpkit.diagnostics.collective_check"]
 
 

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import json
 
+from ddpkit import data
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.commands.train import check_inputs as preflight  # noqa: F401  (train's, out_dir aside)
+from ddpkit.commands.train import model_and_data_modules
 from ddpkit.config import Config, load_config
 from ddpkit.data.text import tokenizer
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError
+from ddpkit.launcher.warm_start import EVERY_WORKER
 from ddpkit.parallel.strategy import Strategy
+from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model
+from ddpkit.train.tasks import evaluate, task_for
 
 
 def preload(cfg: Config) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-    from ddpkit.commands.train import model_and_data_modules
-    from ddpkit.launcher.warm_start import EVERY_WORKER
-
     return [*EVERY_WORKER, __name__, "ddpkit.train.tasks", *model_and_data_modules(cfg)]
 
 
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
-    from ddpkit import data
-    from ddpkit.train.builders import load_weights, make_autocast, make_datasets, make_model
-    from ddpkit.train.tasks import evaluate, task_for
-
     path = cfg.checkpoint.path
     if not path:
         raise UserError(

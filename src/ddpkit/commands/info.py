@@ -5,14 +5,15 @@ from __future__ import annotations
 from ddpkit.cluster import netif
 from ddpkit.distributed.collectives import gather_object_to
 from ddpkit.distributed.runtime import DistContext, hostname
+from ddpkit.launcher.warm_start import EVERY_WORKER
+from ddpkit.parallel.mesh import layout_of, shard_degree
+from ddpkit.parallel.strategy import get_strategy
 
 
 def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None = None) -> str:
     """This rank's line: who it is, where it runs, the interface and address its process group uses, and its
     coordinates in the dist.tp x dist.pp layout (dp= tp= pp=, and dp_replicate= dp_shard= of the dp dim split
     into HSDP's sharding groups of `dp_shard` ranks; None: one group)."""
-    from ddpkit.parallel.mesh import layout_of
-
     e = ctx.env
     master = e.init_method if e.init_method.startswith("file://") else f"{e.master_addr}:{e.master_port}"
     return (
@@ -24,14 +25,10 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None =
 
 def preload(cfg) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-    from ddpkit.launcher.warm_start import EVERY_WORKER
-
     return [*EVERY_WORKER, __name__, "ddpkit.parallel.mesh"]
 
 
 def info_command(cfg, args, ctx: DistContext) -> int:
-    from ddpkit.parallel.mesh import layout_of, shard_degree
-    from ddpkit.parallel.strategy import get_strategy
 
     d = cfg.dist
     shard = d.dp_shard

@@ -21,10 +21,17 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.atomicio import NotRegularFile, check_regular
+from ddpkit.cluster.env import detect_env, torch_variables
+from ddpkit.commands import CommandParser
 from ddpkit.distributed import local_rank
+from ddpkit.distributed.torchrun_compat import NO_VALUE
 from ddpkit.errors import Preempted, UserError, WorkerFailure
-from ddpkit.launcher import warm_start
-from ddpkit.launcher.usermain import warm_script
+from ddpkit.launcher import usermain, warm_start
+from ddpkit.launcher.elastic import launch_elastic
+from ddpkit.launcher.launch import free_port, launch_spawn, start_warm
+from ddpkit.launcher.spec import LAUNCH_FLAGS, add_launch_flags, spec_from_args
+from ddpkit.launcher.usermain import run_spawned, warm_script
+from ddpkit.launcher.usermodule import check_module
 
 # What a script's worker has imported when it is forked (launcher/warm_start.py): torch, and what runs the
 # script; nothing of ddpkit's that the script would not import itself.
@@ -36,8 +43,6 @@ USAGE = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ddpkit.commands import CommandParser
-    from ddpkit.launcher.spec import add_launch_flags
 
     p = CommandParser(
         prog="ddpkit run",
@@ -52,9 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
-    from ddpkit.distributed.torchrun_compat import NO_VALUE
-    from ddpkit.launcher.spec import LAUNCH_FLAGS
-
     flags = LAUNCH_FLAGS | local_rank.FLAGS
     argv = list(argv)
     i = 0
@@ -81,8 +83,6 @@ def _check_target(target: list[str]) -> None:
     if not target:
         raise UserError("ddpkit run needs a script to run", f"usage: {USAGE}")
     if target[0] == "-m":
-        from ddpkit.launcher.usermodule import check_module
-
         check_module(target[1])
     else:
         script = target[0]
@@ -98,10 +98,6 @@ def _check_target(target: list[str]) -> None:
 
 def _exec(target: list[str]) -> None:
     """Become `python -u TARGET` with torchrun's variables for this rank (never returns)."""
-    from ddpkit.cluster.env import detect_env, torch_variables
-    from ddpkit.launcher import usermain
-    from ddpkit.launcher.launch import free_port
-
     env = detect_env()
     variables = torch_variables(env)
     if env.launcher == "none":  # one process, as `torchrun --nproc-per-node 1` would run it
@@ -114,11 +110,6 @@ def _exec(target: list[str]) -> None:
 
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
-    from ddpkit.launcher.elastic import launch_elastic
-    from ddpkit.launcher.launch import launch_spawn, start_warm
-    from ddpkit.launcher.spec import spec_from_args
-    from ddpkit.launcher.usermain import run_spawned
-
     flags, target = split(argv)
     args = _parser().parse_args(flags)
     spec = spec_from_args(args)

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit.commands import CommandParser
 from ddpkit.diagnostics.stacks import (
     JOB_PREFIX,
     collect_stacks,
@@ -43,8 +44,6 @@ def jobs(pid: int | None = None) -> dict[int, Path]:
 
 def stacks_command(argv: Sequence[str]) -> int:
     """Print every running rank's stack, job by job."""
-    from ddpkit.commands import CommandParser
-
     p = CommandParser(prog="ddpkit stacks", description=__doc__.splitlines()[0])
     p.add_argument("pid", nargs="?", type=int, metavar="PID", help="the launcher's pid (default: every one)")
     args: argparse.Namespace = p.parse_args(list(argv))

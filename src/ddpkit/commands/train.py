@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ddpkit import data, models
 from ddpkit.config import Config
+from ddpkit.data.registry import get_dataset
+from ddpkit.launcher.warm_start import EVERY_WORKER
+from ddpkit.models import preload_for
+from ddpkit.parallel.pipeline.plan import check_pipeline
+from ddpkit.train.curves import LauncherCurves
 
 if TYPE_CHECKING:  # torch loads when the command runs, not when its flags are parsed
     from ddpkit.distributed.runtime import DistContext
@@ -12,9 +18,7 @@ if TYPE_CHECKING:  # torch loads when the command runs, not when its flags are p
 
 def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
-    from ddpkit import data, models
     from ddpkit.checkpoint import check_file
-    from ddpkit.parallel.pipeline.plan import check_pipeline
 
     data.check_available(cfg)
     models.check_arch(cfg)
@@ -35,9 +39,6 @@ def preflight(cfg: Config) -> None:
 def model_and_data_modules(cfg: Config) -> list[str]:
     """The modules that build cfg's model and data sets (the trainer's builders and what they import, and what
     the model's family and the data set's entry say they need)."""
-    from ddpkit.data.registry import get_dataset
-    from ddpkit.models import preload_for
-
     modules = ["ddpkit.train.builders", "ddpkit.config.safe_yaml", "ddpkit.data.builtin"]
     wanted = [*preload_for(cfg.model.arch), *get_dataset(cfg.data.dataset).preload]
     return modules + sorted(set(wanted), key=wanted.index)
@@ -46,7 +47,6 @@ def model_and_data_modules(cfg: Config) -> list[str]:
 def preload(cfg: Config) -> list[str]:
     """The modules every worker imports: a launch imports them once, before the workers start."""
     # torch._dynamo too: torch's optimizers import it at their first step (it takes about as long as torch)
-    from ddpkit.launcher.warm_start import EVERY_WORKER
 
     extra = ["ddpkit.train.trainer", "torch._dynamo", "torch.utils.tensorboard"]
     return [
@@ -60,7 +60,6 @@ def in_launcher(cfg: Config, spec):
     """What the launcher of a one-node launch does for the run itself: draw curves.png (train/curves LauncherCurves)."""
     if not cfg.report.curves or spec.nnodes != 1:
         return None
-    from ddpkit.train.curves import LauncherCurves
 
     return LauncherCurves(cfg.out_dir)
 

@@ -14,6 +14,7 @@ import os
 import re
 from typing import Any
 
+from ddpkit.atomicio import open_regular
 from ddpkit.errors import UserError
 
 MAX_DEPTH = 32  # nesting levels: a config has 2, a metrics line 1
@@ -63,7 +64,6 @@ def check_tree(value: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODE
 def read_yaml_file(path: str | os.PathLike, name: str, hint: str) -> Any:
     """The YAML document in file `path` within the bounds (size, aliases, depth, values); a one-line UserError
     naming `name` otherwise (`hint`: what the file should be)."""
-    from ddpkit.atomicio import open_regular
     from ddpkit.config.safe_yaml import parse_yaml
 
     try:

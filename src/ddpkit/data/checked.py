@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from ddpkit.data.tensor_sets import SyntheticImages, TensorImageDataset
+from ddpkit.distributed.collectives import gather_object_to
 from ddpkit.errors import UserError, first_line
 
 
@@ -122,8 +124,6 @@ class SkipCollate:
 
 def checked(ds: Dataset, split: str, skip: bool) -> Dataset:
     """`ds` wrapped in CheckedSamples, unless its samples live in memory (nothing there to decode)."""
-    from ddpkit.data.tensor_sets import SyntheticImages, TensorImageDataset
-
     if isinstance(ds, (TensorImageDataset, SyntheticImages, CheckedSamples)) or getattr(
         ds, "in_memory", False
     ):
@@ -145,8 +145,6 @@ def check_decodable(train: Dataset, val: Dataset) -> None:
 def skipped_in_epoch(train: Dataset, val: Dataset, epoch: int, warn: Callable[[str], None]) -> int:
     """Samples left out since the last call over all ranks (collective when data.skip_corrupt, else 0); warn()
     names them on rank 0."""
-    from ddpkit.distributed.collectives import gather_object_to
-
     sets = [ds for ds in (train, val) if isinstance(ds, CheckedSamples) and ds.skip]
     if not sets:
         return 0

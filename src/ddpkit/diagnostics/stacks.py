@@ -32,6 +32,7 @@ from typing import TextIO
 
 from ddpkit import channels
 from ddpkit.atomicio import open_regular
+from ddpkit.diagnostics import warn_once
 from ddpkit.errors import Failure, UserError, WorkerFailure
 
 SIGNAL = signal.SIGUSR2
@@ -89,7 +90,6 @@ def arm() -> None:
             Path(job, f"rank{rank}.pid").write_text(f"{os.getpid()} {identity(os.getpid())}")
             Path(job, f"rank{rank}.ended").unlink(missing_ok=True)  # this rank's worker of an earlier round
             _ARMED.update(job=job, rank=rank, file=out)
-            from ddpkit.diagnostics import warn_once
 
             warn_once.install(job)  # a warning every rank gives is printed once for the job
         except OSError:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpkit.cluster.launchers import world_variables
 from ddpkit.errors import UserError
 
 
@@ -31,10 +32,6 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-    from ddpkit.cluster.launchers import (
-        world_variables,  # the launcher-detector table's (never a batch shell's)
-    )
-
     for var in world_variables():
         raw = os.environ.get(var, "").strip()
         if raw.isdigit() and int(raw) > 1:

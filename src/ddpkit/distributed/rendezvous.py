@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from ddpkit import channels
 from ddpkit.cluster.env import DistEnv
+from ddpkit.cluster.netif import is_loopback, owns
 from ddpkit.errors import UserError, first_line
 
 PROBE_VAR = channels.PROBE_S
@@ -66,8 +67,6 @@ def probe(host: str, port: int, window_s: float | None = None) -> None:
 def probe_launch(backend: str, endpoint: str, node_rank: int, rdzv_timeout: float) -> None:
     """A launcher node that connects to a rendezvous store another node hosts: probe it first (for at most
     --rdzv-timeout)."""
-    from ddpkit.cluster.netif import is_loopback, owns
-
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if backend == "static" and node_rank == 0:

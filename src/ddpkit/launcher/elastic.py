@@ -16,6 +16,7 @@ from ddpkit import channels
 from ddpkit.cluster.netif import hosted_endpoint, use_interface
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import reaper
+from ddpkit.distributed.rendezvous import probe_launch
 from ddpkit.errors import Preempted, UserError, first_line
 from ddpkit.launcher import signals, usermain, warm_start
 from ddpkit.launcher.launch import (
@@ -122,8 +123,6 @@ def _agent_config(spec: LaunchSpec, nproc: int, start_method: str) -> tuple[Any,
     backend, endpoint, run_id, configs = _rendezvous(spec)
     use_interface(endpoint.rsplit(":", 1)[0], spec.nnodes > 1)  # workers inherit GLOO/NCCL_SOCKET_IFNAME
     if spec.nnodes > 1:
-        from ddpkit.distributed.rendezvous import probe_launch
-
         probe_launch(backend, endpoint, spec.node_rank, spec.rdzv_timeout)  # seconds, not the whole timeout
     config = LaunchConfig(
         min_nodes=spec.nnodes,

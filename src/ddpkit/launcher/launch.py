@@ -24,7 +24,7 @@ from ddpkit.diagnostics import stacks
 from ddpkit.distributed import reaper
 from ddpkit.distributed.blame import describe_exit
 from ddpkit.errors import Preempted, UserError, WorkerFailure
-from ddpkit.launcher import signals
+from ddpkit.launcher import signals, warm_start
 from ddpkit.launcher.spec import (  # noqa: F401  (importable from here, where they were first)
     LAUNCH_FLAGS,
     STARTER_FLAGS,
@@ -74,8 +74,6 @@ def start_warm(spec: Any, modules: list[str]) -> bool:
     """Start the fork server that imports `modules` for the workers while this launcher imports torch for the
     agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
     program of the user's own that calls ddpkit's command line)."""
-    from ddpkit.launcher import warm_start
-
     if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
         return False
     set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ddpkit import channels
 from ddpkit.errors import UserError, WorkerFailure
+from ddpkit.launcher.signals import worker_pids
 
 RDZV_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 STORE_SILENCE_S = 10.0  # no worker alive and no answer from the store for this long: the agent is stuck
@@ -48,8 +49,6 @@ _LOST = _LostNodes()
 def _live_children() -> list[int]:
     """This agent's workers that have not exited (an agent stuck in a store call reaps nobody): its children, or
     its fork server's (the fork server itself lives on and is not a worker)."""
-    from ddpkit.launcher.signals import worker_pids
-
     return [p for p in worker_pids() if _state(p) not in ("Z", "X", "")]
 
 

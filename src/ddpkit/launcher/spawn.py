@@ -19,9 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpkit import channels
-from ddpkit.diagnostics import stacks
+from ddpkit.cluster.env import DistEnv, torch_variables
+from ddpkit.diagnostics import stacks, warn_once
 from ddpkit.distributed import blame
 from ddpkit.errors import UserError, first_line
+from ddpkit.launcher.launch import host_store
 
 # How long the other workers get to finish after one failed, before they are killed.
 GRACE_S = 5.0
@@ -42,14 +44,12 @@ def _worker(
     options: dict[str, Any],
     results: Any,
 ) -> None:
-    from ddpkit.cluster.env import DistEnv, torch_variables
     from ddpkit.distributed.runtime import init_distributed, shutdown
 
     port = int(rendezvous["MASTER_PORT"])
     env = DistEnv(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
     os.environ.update(torch_variables(env), **rendezvous, **{channels.LAUNCHER: "spawn"})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    from ddpkit.diagnostics import warn_once
 
     stacks.arm()  # SIGUSR2 dumps this worker's Python stack to stderr
     warn_once.install(options["warned"])  # a warning every rank gives is printed once for the launch
@@ -148,7 +148,6 @@ def launch(
 def _run_workers(
     ctx: Any, nprocs: int, fn: Callable[..., Any], args: tuple, options: dict[str, Any]
 ) -> list[Any]:
-    from ddpkit.launcher.launch import host_store
 
     results = ctx.Queue()
     store, rendezvous = host_store()  # the workers' store, kept open until they are done

@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+from ddpkit.cluster.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import torchrun_compat
 from ddpkit.errors import UserError
@@ -121,8 +122,6 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
     """Under srun with one task per node (`srun -N 2 --ntasks-per-node 1 ddpkit ... --nnodes 2`), each task is
     one node's agent: node 0 is the first host of the node list, this node's rank is SLURM_NODEID, the port is
     derived from the job id unless MASTER_PORT is set."""
-    from ddpkit.cluster.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
-
     nodes = slurm_nodelist(environ)
     if (
         spec.nnodes == 1

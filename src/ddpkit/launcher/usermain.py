@@ -23,15 +23,17 @@ import runpy
 import sys
 import time
 
+from ddpkit.diagnostics import stacks
 from ddpkit.distributed import group_check
+from ddpkit.distributed.local_rank import script_args
+from ddpkit.errors import UserError
 from ddpkit.launcher import warm_start
+from ddpkit.launcher.signals import die_with_launcher
 
 
 def run_python(target: list[str]) -> int:
     """Run `python TARGET` inside this process: the script (or -m MODULE) as __main__; its exit status.
     An uncaught exception propagates (a spawned worker reports it to its launcher)."""
-    from ddpkit.distributed.local_rank import script_args
-
     try:
         if target[0] == "-m":
             sys.argv = [target[1], *script_args(target[2:])]
@@ -81,11 +83,7 @@ def _report(e: BaseException) -> int:
     process group, torch's hook prefixes each line with `[rankN]:` (as under torchrun). A UserError that ddpkit
     raised in the script (prepare, launch, the loaders) is ddpkit's one line instead, said once for the job by
     the launcher; the exit status: 2 for it, else 1."""
-    from ddpkit.errors import UserError
-
     if isinstance(e, UserError):
-        from ddpkit.diagnostics import stacks
-
         line = f"ddpkit: error: {e.line()}"
         if not stacks.say_error(line):
             print(line, file=sys.stderr, flush=True)
@@ -109,8 +107,6 @@ def run_spawned(target: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from ddpkit.diagnostics import stacks
-    from ddpkit.launcher.signals import die_with_launcher
 
     die_with_launcher()
     stacks.arm()  # SIGUSR2 dumps the script's Python stack (for the launcher's straggler watch)

@@ -105,7 +105,7 @@ def exit_steps() -> None:
 
 def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, str]) -> None:
     """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
-    from ddpkit.launcher import warm_server
+    warm_server = sys.modules[SERVER]  # the fork server imported it first (its preload); never imported here
 
     channels.FLAGS.forked_worker = True
     agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}

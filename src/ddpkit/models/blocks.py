@@ -48,6 +48,10 @@ class BlockStack:
     first: tuple[str, ...] = ("tok_emb",)
     last: tuple[str, ...] = ("ln_f", "head")
     norms: tuple[str, ...] = ("ln1", "ln2")  # a block's norms (sequence-parallel)
+    # a block's norms of each attention head (Qwen3's of the queries and keys), where the block has them: their
+    # input (batch, sequence, heads, width) split by its heads over tp, their weight replicated (its gradient
+    # summed over the tp ranks)
+    head_norms: tuple[str, ...] = ()
     entry: str = "drop"  # the module the embeddings' output enters (where the sequence is split)
     tp_keys: tuple[str, ...] = ("model.n_head", "model.n_embd")
     sp_keys: tuple[str, ...] = ("data.block_size",)  # the sequence, split by sequence parallelism only
@@ -101,6 +105,13 @@ class BlockStack:
             b = f"blocks.{i}."
             plan.update({b + name: ColwiseParallel(input_layouts=between) for name in self.column})
             plan.update({b + name: RowwiseParallel(output_layouts=between) for name in self.row})
+            plan.update(
+                {
+                    b + name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                    for name in self.head_norms
+                    if _holds(model.blocks[i], name)
+                }
+            )
             if sequence_parallel:
                 plan.update({b + name: SequenceParallel() for name in self.norms})
         if not sequence_parallel:
@@ -130,6 +141,14 @@ class BlockStack:
             "pp_check": self.check,
             "checkpointed": self.blocks,
         }
+
+
+def _holds(block: nn.Module, name: str) -> bool:
+    """Whether `block` has a module at dotted `name` (None where a part is left out)."""
+    try:
+        return block.get_submodule(name) is not None
+    except AttributeError:
+        return False
 
 
 def _values(cfg: Any, keys: Sequence[str]) -> list[tuple[str, int]]:

@@ -23,21 +23,12 @@ import torch.nn as nn
 def _parameters_and_group(model_or_parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
     """(this rank's parameters, those its part of the norm counts: a parameter several pipeline ranks share on
     one of them only, the process group whose ranks hold the other parts of the model: a pipeline's stages;
-    None when this rank's parameters are the whole model)."""
-    from ddpkit.parallel.pipeline.runner import PipelineRunner
-    from ddpkit.parallel.pipeline.user_model import PipelineModel
-
+    None when this rank's parameters are the whole model). A model that is only a part of the whole (a
+    pipeline's, parallel/pipeline/) answers for itself: `grad_norm_parts()` gives the three."""
     target = model_or_parameters
-    if isinstance(target, PipelineModel):
-        if target.runner is None:
-            from ddpkit.errors import UserError
-
-            raise UserError(
-                "ddpkit.clip_grad_norm_ before the pipeline's first step", "call it after model.step(x, y)"
-            )
-        target = target.runner
-    if isinstance(target, PipelineRunner):
-        return target.parameters(), target.norm_parameters(), target.pp_group
+    parts = getattr(target, "grad_norm_parts", None)
+    if callable(parts):
+        return parts()
     if isinstance(target, torch.Tensor):
         params = [target]
     elif isinstance(target, nn.Module):

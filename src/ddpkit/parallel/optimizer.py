@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 
 # what torch's optimizers keep in `defaults` that their constructor does not take or that the new one re-derives
 _DERIVED = ("differentiable",)
@@ -109,8 +109,6 @@ def rebuild_optimizer(
     try:
         new = type(old)(groups, **constructor_kwargs(old))
     except (TypeError, ValueError, RuntimeError) as e:
-        from ddpkit.errors import first_line
-
         raise UserError(
             f"{where}: {_name(old)} cannot be made again over the prepared parameters: {first_line(e)}",
             "drop that option from the optimizer, or build it after prepare() from the model it returns",

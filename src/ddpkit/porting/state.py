@@ -20,7 +20,9 @@ from torch import nn
 
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.distributed.collectives import all_gather_object, barrier, get_rank, get_world_size
+from ddpkit.distributed.runtime import current, init_distributed
 from ddpkit.errors import UserError, first_line
+from ddpkit.parallel.strategy import strategy_of
 from ddpkit.porting.rng import rng_state, set_rng_state
 
 FORMAT = "ddpkit.state/1"
@@ -49,9 +51,6 @@ def _check_plain(value: Any, where: str) -> None:
 
 def _strategy(model: nn.Module, optimizer: Any):
     """The Strategy that knows how to read and write this (prepared) model's and optimizer's full state."""
-    from ddpkit.distributed.runtime import current, init_distributed
-    from ddpkit.parallel.strategy import strategy_of
-
     return strategy_of(model, optimizer, current() or init_distributed())
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit import data, models
+from ddpkit.checkpoint.sharded import is_sharded
 from ddpkit.config import Config
 from ddpkit.data.prefetch import (
     to_device as to_device,  # micro-batches on the device, for the trainer's callers
@@ -20,7 +21,10 @@ from ddpkit.data.prefetch import (
 from ddpkit.distributed.collectives import rank_zero_first, seed_everything
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
+from ddpkit.models.loading import init_sharded
 from ddpkit.parallel.mesh import Layout, build_mesh
+from ddpkit.parallel.mesh.activation import checkpoint_blocks
+from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.plan import check_config
 from ddpkit.parallel.strategy import Strategy
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
@@ -47,7 +51,8 @@ def make_model(
 ) -> nn.Module:
     """The configured model with the same initial weights on every rank, on ctx.device.
 
-    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
+    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm. model.init_from's
+    weights are read once the layout is in place (init_weights), each rank its own slices.
     """
     if for_eval and (cfg.model.pretrained or cfg.model.init_from):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None, init_from=None))
@@ -62,11 +67,13 @@ def make_model(
         vocab_size=spec.vocab_size,
         block_size=spec.block_size,
     )
-    if cfg.model.init_from:
-        from ddpkit.models.loading import init_from
-
-        init_from(model, cfg.model.init_from, report)
     return prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+
+
+def init_weights(cfg: Config, strategy: Strategy, wrapped: nn.Module, report=None) -> None:
+    """model.init_from's folder into the laid-out model: each rank reads the slices it holds. Collective."""
+    if cfg.model.init_from:
+        init_sharded(strategy, wrapped, cfg.model.init_from, report)
 
 
 def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:
@@ -98,12 +105,8 @@ def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
     family = models.model_family(cfg.model.arch)
     if cfg.model.activation_checkpointing != "none":  # full or selective
-        from ddpkit.parallel.mesh.activation import checkpoint_blocks
-
         checkpoint_blocks(family.checkpointed(model), cfg.model.activation_checkpointing)
     if mesh is not None and mesh["tp"].size() > 1:
-        from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, mesh["tp"], family=family)
     return model
 
@@ -113,8 +116,6 @@ def load_weights(
 ) -> None:
     """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
     tensors read by every rank); one UserError when it does not fit. Collective."""
-    from ddpkit.checkpoint.sharded import is_sharded
-
     try:
         if is_sharded(path):
             strategy.load_sharded(wrapped, optimizer, path, state)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from ddpkit.distributed import runtime
+from ddpkit.errors import WorkerFailure, first_line
 
 KEY = "ddpkit/hb/{rank}"
 # Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
@@ -157,8 +158,6 @@ runtime.BEFORE_SHUTDOWN.append(stop_heartbeat)
 @contextlib.contextmanager
 def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) -> Iterator[None]:
     """Turn a failed collective into a WorkerFailure naming the rank(s) that fell behind and the step."""
-    from ddpkit.errors import WorkerFailure, first_line
-
     try:
         yield
     except (RuntimeError, OSError) as e:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ddpkit.distributed.collectives import all_gather_object, is_dist
+
 FIELDS = ("param_bytes_per_rank", "grad_bytes_per_rank", "optim_bytes_per_rank")
 
 
@@ -104,8 +106,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def largest_peak_memory(device: torch.device) -> int:
     """The largest peak memory of the ranks (collective when a process group runs)."""
-    from ddpkit.distributed.collectives import all_gather_object, is_dist
-
     mine = peak_memory_bytes(device)
     return max(all_gather_object(mine)) if is_dist() else mine
 

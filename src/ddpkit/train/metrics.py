@@ -16,7 +16,9 @@ from typing import Any, TextIO
 
 import torch
 
-from ddpkit.train.metrics_file import EVERY_LINE
+from ddpkit.atomicio import open_own
+from ddpkit.checkpoint import save_text
+from ddpkit.train.metrics_file import EVERY_LINE, read_lines
 
 METRIC_KEYS = EVERY_LINE  # every metrics.jsonl line has these (metrics_file.FIELDS says what each holds)
 
@@ -79,8 +81,6 @@ class RunningSums:
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
-    from ddpkit.train.metrics_file import read_lines
-
     try:
         return read_lines(Path(out_dir) / "metrics.jsonl").rows
     except (OSError, ValueError):
@@ -99,8 +99,6 @@ def silence_stdout() -> None:
 
 def append_own(path: Path) -> TextIO:
     """Open one of ddpkit's own text files for appending, never through a symlink (atomicio.open_own)."""
-    from ddpkit.atomicio import open_own
-
     return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
@@ -244,8 +242,6 @@ class RunLog:
         ):
             keep.append(row)
         if keep != rows:
-            from ddpkit.checkpoint import save_text
-
             save_text(self.out_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep))
 
     def _tensorboard(self):

@@ -18,7 +18,9 @@ from typing import TypeVar
 
 from ddpkit.atomicio import TEMP_RE
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, check_file, load_checkpoint, save_text
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.errors import Failure, UserError, describe_os_error
+from ddpkit.train.metrics import read_metrics
 from ddpkit.train.runlock import LOCK_NAME, RunLock, check_free, read_holder, same_job
 
 PREVIOUS = "previous"  # out_dir/previous/DATE-TIME/: earlier runs moved aside by checkpoint.overwrite=true
@@ -39,8 +41,6 @@ def _raise_agreed(err: tuple[str, str | None] | None, is_main: bool) -> None:
 
 def decided_by_main(fn: Callable[[], T], is_main: bool) -> T:
     """Rank 0 runs fn (collective): every rank gets its result, or raises the UserError it raised."""
-    from ddpkit.distributed.collectives import broadcast_object
-
     result, err = None, None
     if is_main:
         try:
@@ -56,8 +56,6 @@ def decided_by_main(fn: Callable[[], T], is_main: bool) -> T:
 
 def checked_on_every_rank(fn: Callable[[], T], is_main: bool) -> T:
     """Every rank runs fn (collective); a UserError on any rank (the lowest one's) is raised on every rank."""
-    from ddpkit.distributed.collectives import all_gather_object
-
     result, err = None, None
     try:
         result = fn()
@@ -181,8 +179,6 @@ class Earlier:
 
 def inspect(out_dir: str | os.PathLike) -> Earlier:
     """What out_dir holds of an earlier run (reads only)."""
-    from ddpkit.train.metrics import read_metrics
-
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
     ckpt_dir = out / "checkpoints"

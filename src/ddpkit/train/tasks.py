@@ -17,6 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddpkit import data
+from ddpkit.distributed.collectives import all_reduce_sum, is_dist
+from ddpkit.train.builders import to_device
+
 if TYPE_CHECKING:
     from ddpkit.data import DataSpec
     from ddpkit.train.metrics import RunningSums
@@ -174,9 +178,6 @@ def evaluate(
 
     `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
     peers): they run every forward but add nothing."""
-    from ddpkit.distributed.collectives import all_reduce_sum, is_dist
-    from ddpkit.train.builders import to_device
-
     task = task or Classification(criterion)
     was_training = model.training
     model.eval()
@@ -204,7 +205,6 @@ def evaluate(
 
 
 def _dummy_input(loader, device: torch.device) -> torch.Tensor:
-    from ddpkit import data
 
     ds = loader.dataset
     x, _ = ds.first_decodable() if isinstance(ds, data.CheckedSamples) and ds.skip else ds[0]

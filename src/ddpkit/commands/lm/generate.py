@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ddpkit.commands import CommandParser
+from ddpkit.data.text.tokenizer import encode_prompt, from_json
 from ddpkit.errors import UserError, first_line
+from ddpkit.models.loading import from_checkpoint
 
 # The stated ranges of the flags (docs/cli.md): a temperature below MIN_TEMPERATURE overflows the logits it
 # divides; a seed is what torch.Generator takes; --max-new-tokens at most CONTEXTS contexts of the model.
@@ -95,8 +98,6 @@ def sample(
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-    from ddpkit.commands import CommandParser
-
     p = CommandParser(prog="ddpkit generate", description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run's out_dir, or a .pt / .dcp checkpoint")
     p.add_argument("--prompt", required=True, help="the text to continue")
@@ -126,8 +127,6 @@ def parser():
 
 def generate_command(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
-    from ddpkit.data.text.tokenizer import encode_prompt, from_json
-    from ddpkit.models.loading import from_checkpoint
 
     if not args.prompt:
         raise UserError("--prompt is empty", "give the text to continue, e.g. --prompt 'def main'")
@@ -135,7 +134,8 @@ def generate_command(argv: Sequence[str]) -> int:
     if loaded.tokenizer is None:
         raise UserError(
             f"the run of '{loaded.source}' has no tokenizer.json",
-            "train with data.dataset=text, or give data.dataset=tokens its data.tokenizer_file",
+            "give data.dataset=tokens the tokenizer that made its files: data.tokenizer_file=tokenizer.json, or "
+            "nanoGPT's meta.pkl beside train.bin; or train with data.dataset=text, which makes one",
         )
     tok = from_json(loaded.tokenizer, f"the tokenizer of '{loaded.source}'")
     check_bounds(args, loaded.model.block_size, loaded.model.vocab_size)

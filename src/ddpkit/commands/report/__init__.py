@@ -18,19 +18,15 @@ from ddpkit.commands.outputs import add_force_flag, check_output
 from ddpkit.errors import UserError
 from ddpkit.parallel.plan import resolve_strategy
 from ddpkit.train.curves import (  # the run read back and its curves drawn, shared with the Trainer
-    _PLOTTED,
-    _PLOTTED_LM,
     LAUNCHER_DRAWS_VAR,
     LauncherCurves,
-    Run,
     drawing,
-    flatten,
     launcher_draws,
-    load_run,
     write_bytes,
     write_curves,
 )
 from ddpkit.train.curves.drawing import figure, finite, html_page, is_language_model, png_bytes
+from ddpkit.train.curves.runs import _PLOTTED, _PLOTTED_LM, Run, flatten, load_run
 
 FIG_SIZE_IN, FIG_DPI = drawing.FIG_SIZE_IN, drawing.FIG_DPI  # the picture's size, named here too
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.config.bounded import loads_json
 from ddpkit.errors import UserError, first_line
 
 if TYPE_CHECKING:
@@ -144,7 +145,6 @@ def read_file(path: str | os.PathLike, what: str = "data.tokenizer_file") -> str
         ) from None
     if len(raw) > MAX_FILE_BYTES:
         raise UserError(f"{what} '{path}' is over {MAX_FILE_BYTES >> 20} MiB", FILE_HINT)
-    from ddpkit.config.bounded import loads_json
 
     try:
         text = raw.decode("utf-8")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.errors import UserError
+from ddpkit.models import model_family
 from ddpkit.parallel.strategy import get_strategy, names_with
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
@@ -155,6 +156,4 @@ def _check_microbatching(cfg: Any) -> None:
 
 def _check_split(cfg: Any, n_stages: int) -> None:
     """The model's family declares a cut into `n_stages` stages."""
-    from ddpkit.models import model_family  # imported here: this module imports no torch
-
     model_family(cfg.model.arch).check_pipeline(cfg, n_stages)

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit.parallel.clip import clip_grad_norm_
+from ddpkit.parallel.pipeline import stage_state
+from ddpkit.parallel.pipeline.passing import check_output, checked_loss, refusal
 from ddpkit.parallel.pipeline.plan import SPLIT_BACKWARD, stage_ids, stage_rank
 from ddpkit.parallel.pipeline.split import owned_parameters
 
@@ -69,9 +73,10 @@ class ContiguousEdges(nn.Module):
     sends is laid out as the input: on the first step torch lays the previous stage's receive buffer out as the
     stage computed that gradient, and gloo refuses to receive into a buffer that is not contiguous.)"""
 
-    def __init__(self, stage: nn.Module):
+    def __init__(self, stage: nn.Module, index: int = 0, n_stages: int = 1):
         super().__init__()
         self.stage = stage
+        self.index, self.n_stages = index, n_stages  # which stage: what it gives is checked (passing.py)
 
     def forward(self, *args):
         args = tuple(
@@ -81,6 +86,7 @@ class ContiguousEdges(nn.Module):
             for a in args
         )
         out = self.stage(*args)
+        check_output(out, self.stage, self.index, self.n_stages)
         if isinstance(out, tuple):
             return tuple(o.contiguous() if torch.is_tensor(o) else o for o in out)
         return out.contiguous() if torch.is_tensor(out) else out
@@ -136,7 +142,7 @@ class PipelineRunner:
             and dp_group is not None
             and dist.get_world_size(dp_group) > 1
         )
-        self.wrapped = [self._wrap(m) for m in self.stages]
+        self.wrapped = [self._wrap(m, sid) for m, sid in zip(self.stages, self.ids, strict=True)]
         self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
         self.pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
@@ -146,11 +152,11 @@ class PipelineRunner:
         self.schedule = cls(
             self.pipe_stages if len(self.pipe_stages) > 1 else self.pipe_stages[0],
             n_microbatches,
-            loss_fn=loss_fn,
+            loss_fn=checked_loss(loss_fn),
         )
 
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        module = ContiguousEdges(module)
+    def _wrap(self, module: nn.Module, sid: int) -> nn.Module:
+        module = ContiguousEdges(module, sid, self.n_stages)
         if self.shard is not None:  # FSDP2: every forward gathers the stage's parameters (a collective)
             return self.shard(module)
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1 or self.average_after:
@@ -219,9 +225,15 @@ class PipelineRunner:
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
         with self.autocast(), self._no_sync():
-            out = self.schedule.step(
-                *args, target=target, losses=losses, return_outputs=outputs and self.last
-            )
+            try:
+                out = self.schedule.step(
+                    *args, target=target, losses=losses, return_outputs=outputs and self.last
+                )
+            except Exception as e:
+                told = refusal(e)
+                if told is None:
+                    raise
+                raise told from None
         loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else None
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
@@ -272,10 +284,13 @@ class PipelineRunner:
         skip = {id(s.param) for s in self.shared if min(map(self._pp_rank, s.stages)) != self.pp_rank}
         return [p for p in self.parameters() if id(p) not in skip]
 
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """What ddpkit.clip_grad_norm_ asks of a part of the model (parallel/clip.py): this rank's parameters,
+        those its part of the norm counts, and the group of the pipeline's ranks that hold the other parts."""
+        return self.parameters(), self.norm_parameters(), self.pp_group
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their joint 2-norm is at most max_norm; returns that norm."""
-        from ddpkit.parallel.clip import clip_grad_norm_
-
         return clip_grad_norm_(self, max_norm)
 
     # ---- evaluation -----------------------------------------------------------------------------------
@@ -381,6 +396,4 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
     empty dict elsewhere. Collective over all ranks."""
-    from ddpkit.parallel.pipeline import stage_state
-
     return stage_state.model_state(runner.stages)

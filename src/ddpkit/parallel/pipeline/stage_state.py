@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.checkpoint import dcp_io
+from ddpkit.checkpoint.sharded import MODEL, OPTIM, _dcp_load, _name_keyed, _optim_template
 from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE, _merged_on_rank0, _union, _union_optim
 
 
@@ -94,8 +96,6 @@ def load_state(stages: list[nn.Module], optimizer: Any, model_sd: dict, optim_sd
 
 def sharded_state(stages: list[nn.Module], optimizer: Any) -> tuple[dict[str, torch.Tensor], dict]:
     """(this rank's tensors for a DCP folder, the non-tensor optimizer entries with every rank's groups)."""
-    from ddpkit.checkpoint.sharded import MODEL, OPTIM
-
     tensors = {MODEL + k: v for stage in stages for k, v in stage.state_dict().items()}
     if optimizer is None:
         return tensors, {}
@@ -114,9 +114,6 @@ def sharded_state(stages: list[nn.Module], optimizer: Any) -> tuple[dict[str, to
 
 def load_sharded(path: str | os.PathLike, stages: list[nn.Module], optimizer: Any, side: dict) -> None:
     """A DCP folder written under any layout into this rank's stages (each reads the parts it holds)."""
-    from ddpkit.checkpoint import dcp_io
-    from ddpkit.checkpoint.sharded import MODEL, _dcp_load, _name_keyed, _optim_template
-
     template = {MODEL + k: v for stage in stages for k, v in stage.state_dict().items()}
     _dcp_load(Path(path), template)
     for stage in stages:

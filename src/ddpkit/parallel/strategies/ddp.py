@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
@@ -17,7 +18,6 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, ctx, ddp_options=None, compression: Compression | None = None):
-        from ddpkit.parallel.compression import Compression
 
         super().__init__(ctx, ddp_options, compression or Compression())
         self._hook_state = None

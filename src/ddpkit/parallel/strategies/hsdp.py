@@ -9,6 +9,7 @@ with dist.tp and dist.pp as fsdp. Saved and loaded as fsdp's (save_state recogni
 
 from __future__ import annotations
 
+from ddpkit.parallel.mesh import Layout, build_mesh, hsdp_mesh, shard_degree
 from ddpkit.parallel.strategies.fsdp import FSDPStrategy
 from ddpkit.parallel.strategy import StrategyEntry
 
@@ -22,8 +23,6 @@ class HSDPStrategy(FSDPStrategy):
     def dp_mesh(self):
         """The 2-D ("dp_replicate", "dp_shard") mesh of the data-parallel ranks (built once; collective)."""
         if self._hsdp_mesh is None:
-            from ddpkit.parallel.mesh import Layout, build_mesh, hsdp_mesh, shard_degree
-
             mesh = self.mesh
             if mesh is None:  # ddpkit.prepare without tp: every rank data-parallel
                 mesh = build_mesh(Layout(dp=self.ctx.world_size), self.ctx.device.type)
