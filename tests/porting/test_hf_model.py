@@ -87,14 +87,14 @@ def _step_loss(model, opt, x, y) -> float:
     return loss.item()
 
 
-def _units_plans_and_refusals(rank: int, world_size: int) -> dict:
+def _units_plans_and_refusals(rank: int, world_size: int, folder: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     import ddpkit
 
     out = {}
-    model = _tiny()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)  # as a user brings it, on the CPU
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = ddpkit.prepare(model, opt, strategy="fsdp")
     out["units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
@@ -129,8 +129,9 @@ def _units_plans_and_refusals(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-def test_each_decoder_layer_is_an_fsdp_unit_and_a_tied_head_stays_whole_under_tp():
-    r0, r1 = run_group(_units_plans_and_refusals, 2)
+def test_each_decoder_layer_is_an_fsdp_unit_and_a_tied_head_stays_whole_under_tp(tmp_path):
+    _tiny().save_pretrained(tmp_path)
+    r0, r1 = run_group(_units_plans_and_refusals, 2, str(tmp_path))
     # the root and each decoder layer: not <root>, model, lm_head (the whole body gathered at once)
     assert (
         r0["units"]
