@@ -115,14 +115,12 @@ def check_ep(ep: int, dp: int, shard: int | None, what: str) -> None:
         raise UserError(f"dist.ep={ep}: the degree must be at least 1", "use dist.ep=1")
     if dp % ep:
         raise UserError(
-            f"dist.ep={ep} does not divide the {dp} data-parallel rank(s) of {what} (expert parallelism borrows "
-            "its ranks from them)",
-            f"use a dist.ep that divides {dp}, or start a multiple of {ep} data-parallel processes",
+            f"dist.ep={ep} does not divide the {dp} data-parallel rank(s) of {what} (ep borrows its ranks)",
+            f"use a dist.ep that divides {dp}",
         )
     if shard is not None and shard % ep:
         raise UserError(
-            f"dist.ep={ep} does not divide HSDP's sharding group of dist.dp_shard={shard} ranks (the expert ranks "
-            "sit inside one)",
+            f"dist.ep={ep} does not divide HSDP's sharding group of dist.dp_shard={shard} ranks",
             f"use a dist.ep that divides {shard}, or a dist.dp_shard that is a multiple of {ep}",
         )
 
