@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
+from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.optimizer import rebuild_optimizer
@@ -28,6 +29,7 @@ from ddpkit.parallel.pipeline.user_model import PipelineModel
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
+from ddpkit.porting.meta import built, maker
 from ddpkit.porting.roles import prepare_loader, remember_model, roles_for
 
 
@@ -93,8 +95,16 @@ def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
     return layout, build_mesh(layout, ctx.device.type)
 
 
-def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
-    """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
+def _prepare_pipeline(objects: tuple, given: dict[str, Any]) -> Any:
+    """prepare() for pp > 1 (`given`: its arguments): the model as a PipelineModel, loaders sharded over the
+    data-parallel replicas."""
+    pp, tp, pp_split, loss_fn = given["pp"], given["tp"], given["pp_split"], given["loss_fn"]
+    strategy, seed = given["strategy"], given["seed"]
+    if tp != 1:
+        raise UserError(
+            f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
+            "use one of them with prepare(), or dist.tp and dist.pp with `ddpkit train`",
+        )
     if not pp_split or loss_fn is None:
         raise UserError(
             f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",
@@ -111,13 +121,14 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
             f"ddpkit.prepare(pp={pp}) takes exactly one model", "pass the model to cut into stages"
         )
     ctx = _context()
+    make = maker(models[0], seed, ctx.device)  # a model on the meta device: made whole, then cut
     piped = PipelineModel(
-        models[0].to(ctx.device),
+        make(models[0]) if make is not None else models[0].to(ctx.device),
         pp_split,
         pp=pp,
         loss_fn=loss_fn,
-        schedule=schedule,
-        microbatches=microbatches,
+        schedule=given["pp_schedule"],
+        microbatches=given["pp_microbatches"],
         device=ctx.device,
     )
     rank, world = piped.data_rank
@@ -158,6 +169,10 @@ def prepare(
     anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
     process group if nobody did.
 
+    A model with no values yet (built under torch.device("meta"), or a function taking no argument that builds
+    it there) is laid out first, then each rank makes only its own shards from `seed` (porting/meta.py: by its
+    family's initialisation, its init_weights() or each module's reset_parameters(), and how exact each is).
+
     `tp`: tensor-parallel degree; the model is split over groups of `tp` neighbouring ranks by `tp_plan`, torch's
     own parallelize_module plan ({submodule name: ColwiseParallel() / RowwiseParallel() / ...}; default: the
     built-in plan of a ddpkit GPT), the strategy runs over the data-parallel ranks (auto: zero2 when there are
@@ -169,21 +184,18 @@ def prepare(
     target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
     """
     _check_arguments(locals())
-    if pp != 1 and tp != 1:
-        raise UserError(
-            f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
-            "use one of them with prepare(), or dist.tp and dist.pp with `ddpkit train`",
-        )
+    objects = tuple(built(objects))  # a function of no argument: the model it builds on the meta device
     if pp != 1:
-        return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
+        return _prepare_pipeline(objects, locals())
     models = _checked_models(objects, strategy)
     ctx = _context()
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     loader_roles = roles_for(objects, roles)
     layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
     chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
-    out = _prepared_model(models[0] if models else None, optimizers, chosen, ctx, sync_bn, mesh, tp_plan)
-    model_out = out.get(id(models[0]), models[0]) if models else None
+    model = models[0] if models else None
+    out = _prepared_model(model, optimizers, chosen, ctx, (sync_bn, seed), mesh, tp_plan)
+    model_out = out.get(id(model), model)
     if model_out is not None:
         remember_model(model_out)
     out.update(
@@ -270,22 +282,25 @@ def _prepared_model(
     optimizers: list[torch.optim.Optimizer],
     chosen: Strategy,
     ctx: DistContext,
-    sync_bn: bool,
+    sync_bn_seed: tuple[bool, int],
     mesh: Any,
     tp_plan: dict | None,
 ) -> dict[int, Any]:
     """{id(given object): what replaces it} for the model and the optimizers the strategy re-makes: the model on
     this rank's device, synchronised BatchNorm, split over the tensor-parallel mesh, wrapped for the strategy. A
-    model prepared already stays as it is, and so do its optimizers."""
+    model on the meta device is laid out there and made with `seed` (porting/meta.py): each rank its own shards.
+    A model prepared already stays as it is, and so do its optimizers."""
     out: dict[int, Any] = {}
+    sync_bn, seed = sync_bn_seed
     if model is not None and not _wrapped(model):
-        moved = model.to(ctx.device)
+        make = maker(model, seed, ctx.device)
+        moved = model.to(ctx.device) if make is None else model
         if sync_bn and ctx.world_size > 1:
             moved = _sync_bn(moved, ctx.device)
         before = list(moved.parameters())
         if mesh is not None:
             apply_tensor_parallel(moved, mesh["tp"], tp_plan)
-        out[id(model)] = chosen.wrap(moved)
+        out[id(model)] = wrap_made(chosen, moved, make)
         for opt in optimizers:
             if chosen.entry.remakes_optimizer or mesh is not None:
                 out[id(opt)] = _rebuilt_optimizer(chosen, moved, before, opt)

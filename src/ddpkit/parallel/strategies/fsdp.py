@@ -115,4 +115,5 @@ ENTRY = StrategyEntry(
     with_pp=True,
     auto=("offload",),
     recognizes=_recognizes,
+    wraps_meta=True,
 )
