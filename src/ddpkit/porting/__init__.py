@@ -175,10 +175,8 @@ def prepare(
     generator=, or torch's stream), several DistributedSampler's (seed=`seed`), `split_batches`: batch_size is the
     global batch, cut over the ranks in the one-process order. Anything else: returned as it is.
 
-    A model with no values yet (built under torch.device("meta"), or a function taking no argument that builds
-    it there) is laid out first, then each rank makes only its own shards from `seed` (porting/meta.py: by its
-    family's initialisation, its init_weights() or each module's reset_parameters(), and how exact each is).
-
+    A model on the meta device, or a function of no argument that builds it: laid out, then each rank makes only
+    its shards from `seed` (porting/meta.py: by its family's steps, its init_weights() or reset_parameters()).
     `tp`: the model split over groups of `tp` neighbouring ranks by `tp_plan` (torch's parallelize_module plan;
     default: a ddpkit model's family's, or a transformers model's own, porting/hf_model.py), the strategy over the
     data-parallel ranks (auto: zero2 when there are several), the optimizer re-made over the DTensor parameters.
