@@ -62,7 +62,10 @@ class StrategyEntry:
     `with_ep`: runs with expert parallelism (dist.ep: the routed experts split over some of its ranks, their
     gradients reduced over the ranks that hold the same experts);
     `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
-    replicas of a tensor-parallel model, "offload" dist.offload=cpu).
+    replicas of a tensor-parallel model, "offload" dist.offload=cpu);
+    `wraps_meta`: its wrap takes a model on the meta device and leaves it there, laid out (the plain module,
+    FSDP2's fully_shard): a model built on meta is made real after the wrap, each rank allocating only its
+    shards (parallel/materialize.py); without it the model is made whole before the wrap (DDP broadcasts it).
     """
 
     name: str
@@ -82,6 +85,7 @@ class StrategyEntry:
     hybrid: bool = False
     with_ep: bool = False
     auto: tuple[str, ...] = ()
+    wraps_meta: bool = False
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):

@@ -159,4 +159,5 @@ ENTRY = StrategyEntry(
     with_ep=True,
     auto=("offload",),
     recognizes=_recognizes,
+    wraps_meta=True,
 )

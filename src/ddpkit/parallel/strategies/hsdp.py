@@ -46,4 +46,5 @@ ENTRY = StrategyEntry(
     with_pp=True,
     with_ep=True,
     hybrid=True,
+    wraps_meta=True,
 )

@@ -27,4 +27,5 @@ ENTRY = StrategyEntry(
     with_pp=True,
     with_ep=True,
     auto=("tp",),
+    wraps_meta=True,
 )

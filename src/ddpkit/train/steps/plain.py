@@ -13,6 +13,7 @@ from ddpkit.data.prefetch import to_device
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.experts.apply import apply_expert_parallel
 from ddpkit.parallel.experts.meshes import expert_meshes
+from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, ddp_options
 from ddpkit.train.tasks import Task, evaluate
@@ -114,11 +115,12 @@ class StepRunner:
 
 
 def build(
-    cfg: Any, ctx: Any, model: nn.Module, *, layout: Any, mesh: Any, spec: Any, **step: Any
+    cfg: Any, ctx: Any, model: nn.Module, *, layout: Any, mesh: Any, spec: Any, make: Any = None, **step: Any
 ) -> StepRunner:
     """The plain runner: the strategy over the data-parallel ranks (over the mesh's "dp" dim when tensor
     parallelism, HSDP or expert parallelism splits the ranks) wrapping the whole model, its routed experts split
-    over dist.ep first."""
+    over dist.ep first; a model on the meta device made by `make` (parallel/materialize.py: after the wrap where
+    that leaves each rank its shards only)."""
     experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
     if experts is not None:
         apply_expert_parallel(model, experts)
@@ -136,7 +138,7 @@ def build(
     return StepRunner(
         model,
         strategy,
-        strategy.wrap(model),
+        wrap_made(strategy, model, make),
         (coords["dp"], layout.dp),  # tensor-parallel peers read the same samples
         counts=layout.counts(ctx.rank),
         collective_eval=layout.tp > 1 or layout.ep > 1,  # every forward a collective: ranks run as many
