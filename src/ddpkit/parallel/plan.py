@@ -189,6 +189,7 @@ def build_strategy(
     mesh: Any = None,
     offload: str = "none",
     dp_shard: int | None = None,
+    amp: str = "none",
     experts: Any = None,
 ) -> Strategy:
     """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
@@ -197,6 +198,7 @@ def build_strategy(
     `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
     `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
     `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
+    `amp`: train.amp (bf16: FSDP2 gathers the parameters in bf16 and reduces the gradients in float32).
     `experts`: the ExpertMeshes of dist.ep > 1 (parallel/experts/meshes.py), which the routed experts are split
     and reduced over.
     """
@@ -210,7 +212,7 @@ def build_strategy(
     if entry.needs_group and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
     strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
-    strategy.mesh, strategy.offload, strategy.experts = mesh, offload, experts
+    strategy.mesh, strategy.offload, strategy.amp, strategy.experts = mesh, offload, amp, experts
     if dp_shard is not None:
         strategy.dp_shard = dp_shard
     return strategy

@@ -83,11 +83,11 @@ def shard_experts(module: nn.Module, meshes: ExpertMeshes, options: dict) -> dic
     """FSDP2 on each routed-experts module over the edp mesh (`options`: fully_shard's, the mesh replaced), their
     gradients divided by dp, not by edp (FSDP2's default), as the dense ones. Where the edp ranks give nothing to
     shard over (ExpertMeshes.shardable) the experts are left out of FSDP2: reduce_expert_grads reduces them. Returns
-    the options of the dense units' fully_shard."""
+    what the dense units' fully_shard takes besides its options (the parameters it leaves alone)."""
     from torch.distributed.fsdp import fully_shard
 
     if not meshes.shardable:
-        return {**options, "ignored_params": {p for m in expert_modules(module) for p in m.parameters()}}
+        return {"ignored_params": {p for m in expert_modules(module) for p in m.parameters()}}
     premul = "nccl" in str(
         dist.get_backend(meshes.exchange)
     )  # gloo has no pre-multiplied sum: FSDP2 then divides
@@ -95,4 +95,4 @@ def shard_experts(module: nn.Module, meshes: ExpertMeshes, options: dict) -> dic
         fully_shard(experts, **{**options, "mesh": meshes.edp})
         experts.set_gradient_divide_factor(float(meshes.dp))
         experts.set_force_sum_reduction_for_comms(not premul)
-    return options
+    return {}
