@@ -24,10 +24,8 @@ from ddpkit.data.text.tokenizer import FILE, read_file
 from ddpkit.errors import UserError, first_line
 from ddpkit.models import family_of_module
 from ddpkit.models.hf import export, is_hf_folder, open_folder
-from ddpkit.models.hf.storage import (
-    FolderReader,
-)  # declares the folder's reader to torch.distributed.checkpoint
-from ddpkit.models.hf.tensors import listed
+from ddpkit.models.hf.storage import FolderReader, FolderSource  # declares the DCP reader of a folder
+from ddpkit.models.hf.tensors import check_model, listed
 from ddpkit.models.hf.write import EXPORT_DTYPES, shard_bytes
 
 NAMES = ("best.pt", "best.dcp", "last.pt", "last.dcp")
@@ -209,11 +207,21 @@ def _folder_for(model: nn.Module, path: str) -> Any:
     return folder
 
 
-def init_from(model: nn.Module, path: str, report: Any = None) -> None:
-    """model.init_from: a Hugging Face folder's weights into the freshly built `model` (whole, on this process)."""
-    _folder_for(model, path).into(model, f"model.init_from '{path}'")
+def init_from(model: nn.Module, path: str, report: Any = None) -> Any:
+    """model.init_from: Hugging Face folder `path` checked against `model` (its family, settings and every
+    tensor's name and shape); a model with memory is filled whole here. Returns the folder's values
+    (models/hf/storage.py FolderSource): a model built on the meta device takes them once it is laid out, each
+    rank reading only the slices it holds (`pieces`), or one whole tensor at a time (as a Mapping)."""
+    folder, where = _folder_for(model, path), f"model.init_from '{path}'"
+    if any(t.is_meta for t in model.state_dict().values()):
+        if folder.tensors is None:
+            raise UserError(f"{where} is read whole by its family's converter", "build the model on the CPU")
+        check_model(folder.tensors, model.state_dict(), where)
+        return FolderSource(folder.tensors)
+    folder.into(model, where)
     if report is not None:
         report(f"model.init_from: every tensor from {path}")
+    return FolderSource(folder.tensors) if folder.tensors is not None else None
 
 
 def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = None) -> None:
