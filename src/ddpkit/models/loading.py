@@ -8,6 +8,7 @@ in one line naming it, never dropped."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,17 +159,34 @@ def export_checkpoint(path: str | os.PathLike, out: Path, dtype: str, max_shard_
     return Loaded(model, ckpt.source, ckpt.tokenizer())
 
 
+# A model that load_model built on the meta device (called under `with torch.device("meta")`, or by a builder that
+# ddpkit.prepare calls there): the folder whose values it takes once it is laid out, each rank reading only its
+# slices (FolderSource.pieces). Written here, read through `values_of` by what gives a meta model memory.
+_VALUES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def values_of(model: nn.Module) -> Any:
+    """The values a model built on the meta device by load_model takes (a FolderSource), or None."""
+    return _VALUES.get(model)
+
+
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """The model of the family whose Hugging Face converter reads the folder, holding the folder's weights (every
-    check made before the model is built)."""
+    check made before the model is built). Built on the meta device (the current device being meta), it holds
+    none yet: `values_of(model)` gives them, to be read as the model is laid out."""
     folder = open_folder(path, models.MODEL_FAMILIES.entries())
     model = folder.build()
-    folder.into(model, f"'{path}'")
+    if any(t.is_meta for t in model.state_dict().values()):
+        tensors = folder.tensors_or_refuse()  # a family that reads its folder whole cannot fill shards
+        check_model(tensors, model.state_dict(), f"'{path}'")
+        _VALUES[model] = FolderSource(tensors)
+    else:
+        folder.into(model, f"'{path}'")
     return model.eval()
 
 
 def load(path: str | os.PathLike) -> Loaded:
-
+    """The model of a Hugging Face folder or a ddpkit checkpoint, with where it came from and its tokenizer."""
     if is_hf_folder(path):
         return Loaded(from_hf(path), Path(path), None)
     return from_checkpoint(path)
