@@ -173,6 +173,9 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
     "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
+    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=selective": (
+        "tests/parallel/test_activation_checkpointing.py::test_selective_recomputation_equals_none_in_one_process"
+    ),
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
         "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
@@ -182,6 +185,13 @@ COVERED = {
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
     "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    # the zero-bubble schedules: the Trainer of these lines on 2 pooled ranks, the tiny GPT, 6 steps
+    **{
+        f"ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule={s} --nproc-per-node 2": (
+            "tests/parallel/test_pipeline_schedules.py::test_the_zero_bubble_schedules_equal_one_process"
+        )
+        for s in ("interleaved_zb", "zbv", "dualpipev")
+    },
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
     # docs/parallelism.md's HSDP and 3-D lines, on the tiny transformer, compared with one process

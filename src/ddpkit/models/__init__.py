@@ -247,10 +247,8 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
         else:
             key = "model.n_layer" if m.n_layer > 64 else "model.n_embd"
         raise UserError(
-            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} (data.block_size={cfg.data.block_size}, "
-            f"train.batch_size={cfg.train.batch_size}) needs about {need / 2**30:.0f} GiB "
-            f"({params:,} parameters with their gradients and optimizer state, and the activations), "
-            f"more than this machine's {have / 2**30:.0f} GiB",
+            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} needs about {need / 2**30:.0f} GiB at this "
+            f"batch and block size, over this machine's {have / 2**30:.0f} GiB",
             f"make {key} smaller",
         )
 

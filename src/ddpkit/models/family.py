@@ -207,6 +207,6 @@ class ModelFamily:
         else:
             raise UserError(
                 f"model.arch={cfg.model.arch} has no pipeline split",
-                "dist.pp>1 cuts a model whose family declares its split points: ModelFamily.pp_stage or "
-                "pp_split; for your own model use ddpkit.prepare(model, pp=..., pp_split=[module names])",
+                "its family declares none (ModelFamily.pp_stage, pp_split); your own: ddpkit.prepare(model, "
+                "pp=..., pp_split=[...])",
             )

@@ -264,8 +264,7 @@ def _check_arguments(given: dict[str, Any]) -> None:
                 shown = style.__name__ if isinstance(style, type) else repr(style)
                 raise UserError(
                     f"ddpkit.prepare(tp_plan=...): the entry {key!r}: {shown} is not a torch ParallelStyle",
-                    f"map each submodule name to an instance: {{{key!r}: ColwiseParallel()}} "
-                    "(from torch.distributed.tensor.parallel)",
+                    f"map each name to an instance: {{{key!r}: ColwiseParallel()}}",
                 )
 
 
@@ -341,5 +340,5 @@ def _check_schedulers(objects: Sequence[Any], out: dict[int, Any], chosen: Strat
             raise UserError(
                 f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "
                 "would drive the old one",
-                "create the LR scheduler after prepare(), from the optimizer it returns",
+                "create the scheduler after prepare(), from its optimizer",
             )

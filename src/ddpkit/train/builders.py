@@ -104,8 +104,8 @@ def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
     family = models.model_family(cfg.model.arch)
-    if cfg.model.activation_checkpointing == "full":
-        checkpoint_blocks(family.checkpointed(model))
+    if cfg.model.activation_checkpointing != "none":  # full or selective
+        checkpoint_blocks(family.checkpointed(model), cfg.model.activation_checkpointing)
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], family=family)
     return model
@@ -123,10 +123,8 @@ def load_weights(
             strategy.load(wrapped, optimizer, state["model"], state.get("optimizer") if optimizer else None)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
-            f"checkpoint '{path}' does not fit this model (model.arch={arch}): {first_line(e, joined=True)}",
-            "use the model.* settings it was trained with, or start afresh in another out_dir "
-            "(or with checkpoint.overwrite=true, which moves the earlier run aside)"
+            f"checkpoint '{path}' does not fit this model, model.arch={arch}: {first_line(e, 70, joined=True)}",
+            "same model.* keys, or checkpoint.overwrite=true"
             if optimizer is not None  # resuming a run
-            else "give the model.* settings it was trained with, or point checkpoint.path at a checkpoint "
-            "of this model",
+            else "its model.* keys, or another checkpoint.path",
         ) from None

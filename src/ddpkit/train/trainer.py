@@ -147,7 +147,8 @@ class Trainer:
         Returns the last metrics line.
         """
         state = self.state
-        with self._closing(), explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step), self.stop:
+        failed = explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step, self.log.record)
+        with self._closing(), failed, self.stop:
             # every check (out_dir, data, the checkpoint to continue from) passes before the first write
             source, ckpt = self.run_dir.open(config_mod.to_yaml(self.cfg), self._check_inputs)
             self._save_tokenizer()
