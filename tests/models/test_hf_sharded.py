@@ -55,7 +55,9 @@ def _laid_out(hf, layout: str, rank: int, world_size: int):
 
 def _read_slices(rank: int, world_size: int, folder: str):
     """On each rank, for each layout and each way in (the layout's own sharded load through DCP, the weight
-    source of a model built on meta): (layout, way, the whole values this rank can see, values it read)."""
+    source of a model built on meta, ddpkit.prepare of a function that calls load_model): (layout, way, the whole
+    values this rank can see, values it read)."""
+    import ddpkit
     from ddpkit.checkpoint import sharded
     from ddpkit.models import MODEL_FAMILIES
     from ddpkit.models.hf import open_folder
@@ -63,18 +65,29 @@ def _read_slices(rank: int, world_size: int, folder: str):
     from ddpkit.parallel.pipeline import stage_state
 
     hf, out = open_folder(folder, MODEL_FAMILIES.entries()), []
-    for layout, way in (("fsdp", "dcp"), ("fsdp", "source"), ("tp", "dcp"), ("tp", "source"), ("pp", "dcp")):
-        model = _laid_out(hf, layout, rank, world_size)
+    ways = (
+        ("fsdp", "dcp"),
+        ("fsdp", "source"),
+        ("tp", "dcp"),
+        ("tp", "source"),
+        ("pp", "dcp"),
+        ("fsdp", "prepare"),
+    )
+    for layout, way in ways:
         before = FolderReader.READ.get(hf.path, 0)
+        if way == "prepare":  # a user's builder: load_model on meta, made by prepare() shard by shard
+            model = ddpkit.prepare(lambda: ddpkit.load_model(folder), strategy="fsdp")
+        else:
+            model = _laid_out(hf, layout, rank, world_size)
         if way == "source":
             wanted = dict(model.state_dict())
             with torch.no_grad():
                 for name, piece in FolderSource(hf.tensors).pieces(wanted):
                     like = wanted[name]
                     (like.to_local() if hasattr(like, "to_local") else like).copy_(piece)
-        elif layout == "pp":
+        elif way == "dcp" and layout == "pp":
             stage_state.load_sharded(folder, [model], None, {})
-        else:
+        elif way == "dcp":
             sharded.load(folder, model, None, {})
         read = FolderReader.READ.get(hf.path, 0) - before
         whole = {

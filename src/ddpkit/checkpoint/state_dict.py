@@ -39,8 +39,9 @@ def check_unused(held: Iterable[str], saved: Iterable[str]) -> None:
         names = names.union(*map(set, found))
     extra = sorted(set(saved) - names)
     if extra:
-        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
-        raise KeyError(f"the checkpoint holds {', '.join(extra[:3])}{more}, which this model does not have")
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        # the first words say it all: a caller may keep only the start of the line
+        raise KeyError(f"this model does not have the checkpoint's {extra[0]}{more}")
 
 
 def has_dtensor(module: nn.Module) -> bool:
