@@ -106,7 +106,7 @@ def test_prepare_makes_a_users_model_on_the_meta_device_as_its_cpu_build():
     made = ddpkit.prepare(WithInit, seed=1)
     assert torch.equal(made.scale, torch.ones(4)) and 0.05 < float(made.lin.weight.detach().std()) < 0.2
     with pytest.raises(
-        UserError, match=r"nothing makes its tensor scale \(a Scaled without reset_parameters"
+        UserError, match=r"nothing makes the meta model's tensor scale \(Scaled has no reset_param"
     ):
         ddpkit.prepare(Scaled)
     with pytest.raises(UserError, match="returned int, not a model"):

@@ -97,9 +97,8 @@ class StreamReplay(WeightSource):
         unmade = [name for name in self.unmade() if name in wanted]
         if unmade:
             raise UserError(
-                f"the model on the meta device has tensors that nothing makes: {', '.join(unmade[:3])}",
-                "give the module holding each a reset_parameters() that makes its own tensors (or its model "
-                "family init_weights steps), or build the model on the CPU",
+                f"nothing makes the meta model's tensors {', '.join(unmade[:3])}",
+                "give each one's module a reset_parameters() (or the family init_weights), or build on the CPU",
             )
         torch.manual_seed(self.seed)
         for i, (pairs, fill) in enumerate(draws):
@@ -133,8 +132,7 @@ def _reset_on(module: nn.Module, own: list[tuple[str, torch.Tensor]], fresh: lis
     for (k, _), new in zip(own, fresh, strict=True):
         if new.is_floating_point() and bool(new.isnan().any()):
             raise UserError(
-                f"{type(module).__name__}.reset_parameters() leaves its tensor '{k}' unset, so a model built on "
-                "the meta device cannot be made",
+                f"{type(module).__name__}.reset_parameters() leaves its tensor '{k}' unset on the meta device",
                 f"make {type(module).__name__}.reset_parameters() set every tensor of its own, or build the "
                 "model on the CPU",
             )

@@ -115,10 +115,8 @@ def maker(model: nn.Module, seed: int, device: torch.device) -> Materializer | N
         owners = {name: owner for name, owner, _, _ in named_tensors(model)}
         owner = type(owners[unmade[0]]).__name__
         raise UserError(
-            f"ddpkit.prepare: the model is on the meta device, and nothing makes its tensor {unmade[0]} "
-            f"(a {owner} without reset_parameters())",
-            f"give {owner} a reset_parameters() that sets its own tensors, or the model an init_weights(), or "
-            "build the model on the CPU",
+            f"prepare: nothing makes the meta model's tensor {unmade[0]} ({owner} has no reset_parameters())",
+            f"give {owner} a reset_parameters(), the model an init_weights(), or build it on the CPU",
         )
     return Materializer(replay, device)
 
