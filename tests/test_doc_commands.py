@@ -74,6 +74,7 @@ RUN = {
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 LM_LOOP = "tests/commands/test_generate.py"
+MOE_HF = "tests/models/test_experts_hf.py"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -160,6 +161,11 @@ COVERED = {
     "ddpkit train data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
     "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train data.dataset=tokens data.root=bins model.init_from=mixtral-tiny dist.ep=2 out_dir=runs/moe "
+    "--nproc-per-node 2": f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back",
+    "ddpkit export runs/moe --to hf runs/moe-hf": (
+        f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back"
+    ),
     "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
     "model.activation_checkpointing=full --nproc-per-node 2": (
         "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process"
@@ -205,6 +211,19 @@ COVERED = {
     "ddpkit train model.arch=llama data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
         "tests/models/test_llama.py::"
         "test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process[fsdp]"
+    ),
+    # docs/parallelism.md's expert-parallel lines, the same layouts on the tiny mixture of experts
+    **dict.fromkeys(
+        (
+            "ddpkit train model.arch=llama model.n_experts=4 model.experts_per_token=2 data.dataset=text dist.ep=2 "
+            "--nproc-per-node 2",
+            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.strategy=fsdp "
+            "--nproc-per-node 4",
+            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.tp=2 --nproc-per-node 4",
+            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.pp=2 --nproc-per-node 4",
+        ),
+        "tests/parallel/test_experts.py::"
+        "test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts",
     ),
 }
 
