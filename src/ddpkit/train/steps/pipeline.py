@@ -140,9 +140,7 @@ def build(
         example = (torch.zeros(fixed, spec.in_channels, spec.image_size, spec.image_size, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
         stages, eval_stages, shared = traced_stages(model, splits, example, ids)
-    if (
-        layout.tp > 1
-    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
+    if layout.tp > 1:  # each stage split over its tensor-parallel peers by the family's plan (its parts)
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
     experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
     if experts is not None:  # each stage's routed experts split over its ep peers
