@@ -132,6 +132,16 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/porting.md's transformers Llama, each port of tests/scripts/hf_llama.py against the unported script
+    **dict.fromkeys(
+        (
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port fsdp",
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port tp",
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port pp",
+            "ddpkit run --nproc-per-node 4 --oversubscribe hf_llama.py --port fsdp-tp",
+        ),
+        "tests/porting/test_hf_model.py::test_a_transformers_llama_trains_under_every_layout_as_its_unported_script",
+    ),
     # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
     "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
         "tests/train/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
@@ -164,6 +174,9 @@ COVERED = {
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
     "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
+    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=selective": (
+        "tests/parallel/test_activation_checkpointing.py::test_selective_recomputation_equals_none_in_one_process"
+    ),
     # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
         "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
@@ -173,6 +186,13 @@ COVERED = {
     ),
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
     "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
+    # the zero-bubble schedules: the Trainer of these lines on 2 pooled ranks, the tiny GPT, 6 steps
+    **{
+        f"ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule={s} --nproc-per-node 2": (
+            "tests/parallel/test_pipeline_schedules.py::test_the_zero_bubble_schedules_equal_one_process"
+        )
+        for s in ("interleaved_zb", "zbv", "dualpipev")
+    },
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
     # docs/parallelism.md's HSDP and 3-D lines, on the tiny transformer, compared with one process
@@ -226,6 +246,7 @@ PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
     "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
+    "hf_llama.py": "tests/scripts/hf_llama.py",  # porting.md: its lines run in tests/scripts/ too
     "stuck.py": "tests/scripts/stuck_rank.py",  # reliability.md: the straggler test runs it as stuck.py
     "R": "0",
     "$RANK": "1",

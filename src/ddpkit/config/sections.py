@@ -85,14 +85,16 @@ class DataConfig(Section):
     vocab_size: int | None = opt(
         None,
         "bpe: the most tokens to train (at least 256, at most 1048576; null: 1024; a short text may give fewer); "
-        "tokens: every id is below it (null: 1 + the largest id of the files)",
+        "tokens: every id is below it (null: the vocab_size of nanoGPT's meta.pkl beside the files, else 1 + the "
+        "largest id of the files)",
         gt=0,
         le=2**32,
     )
     tokenizer_file: str | None = opt(
         None,
         "a tokenizer.json (Hugging Face tokenizers) to use instead of training one (data.tokenizer=bpe), or, "
-        "with data.dataset=tokens, the one that made the files (for ddpkit generate)",
+        "with data.dataset=tokens, the one that made the files (for ddpkit generate; null: nanoGPT's meta.pkl "
+        "beside train.bin when there is one)",
     )
     token_dtype: Literal["auto", "uint16", "uint32"] = opt(
         "auto",
@@ -134,8 +136,11 @@ class ModelConfig(Section):
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
     )
-    activation_checkpointing: Literal["none", "full"] = opt(
-        "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
+    activation_checkpointing: Literal["none", "full", "selective"] = opt(
+        "none",
+        "none; full: every block's activations re-computed in backward (less memory, more compute); selective: "
+        "each block keeps its matmul and attention outputs and re-computes the cheap ops between them (torch's "
+        "op-level selective recomputation: memory and time between none and full)",
     )
 
 
@@ -222,8 +227,11 @@ class DistConfig(Section):
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
     dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = opt(
-        "1f1b", "pipeline schedule (torch.distributed.pipelining)"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = opt(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining); interleaved_1f1b and interleaved_zb run two stages "
+        "per rank in a loop, zbv and dualpipev two per rank in a V; the last three split each backward to fill "
+        "the bubble (zero bubble)",
     )
     pp_microbatches: int | None = opt(
         None, "micro-batches per optimizer step through the pipeline; null: 2 x dist.pp", gt=0

@@ -30,29 +30,37 @@ ALLOWED = frozenset(
 UnpicklingError = pickle.UnpicklingError
 
 
+class CodeRefused(pickle.UnpicklingError):
+    """A data file asked to run code: its message names the file and the callable."""
+
+
 class RestrictedUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that refuses every global outside ALLOWED (so a file cannot run code)."""
+    """pickle.Unpickler that refuses every global outside `allowed` (ALLOWED unless told), so a file cannot run
+    code."""
+
+    allowed: frozenset[tuple[str, str]] = ALLOWED
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED:
+        if (module, name) in self.allowed:
             return super().find_class(module, name)
         where = getattr(getattr(self, "_source", None), "name", "a data file")
-        raise pickle.UnpicklingError(
-            f"{where} asks to run {module}.{name}; a data file may hold only arrays, numbers, strings, "
-            "lists and dicts, so it was not loaded"
+        raise CodeRefused(
+            f"{where} asks to run {module}.{name} (a data file may hold only arrays and plain values)"
         )
 
 
-def load(file: BinaryIO, **kwargs: Any) -> Any:
-    """pickle.load without code: see RestrictedUnpickler."""
+def load(file: BinaryIO, allowed: frozenset[tuple[str, str]] = ALLOWED, **kwargs: Any) -> Any:
+    """pickle.load without code: see RestrictedUnpickler; `allowed`: the globals it may name (frozenset():
+    none, plain values only)."""
     unpickler = RestrictedUnpickler(file, **kwargs)
+    unpickler.allowed = allowed
     unpickler._source = file  # type: ignore[attr-defined]
     return unpickler.load()
 
 
-def loads(data: bytes, **kwargs: Any) -> Any:
+def loads(data: bytes, allowed: frozenset[tuple[str, str]] = ALLOWED, **kwargs: Any) -> Any:
     """pickle.loads without code."""
-    return load(io.BytesIO(data), **kwargs)
+    return load(io.BytesIO(data), allowed, **kwargs)
 
 
 class _SafePickleModule:

@@ -10,13 +10,14 @@ the registry is first asked. torchvision and timm are imported inside the functi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
-from ddpkit.config.declared import before_keys, declare, declare_values
+from ddpkit.config.declared import before_keys, declare, declare_values, defaults_from
 from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
@@ -133,6 +134,21 @@ def _load_named_family(given: dict[str, Any]) -> None:
         model_family(arch)
 
 
+@defaults_from
+def _init_from_shape(given: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """With model.init_from=DIR, the model's shape keys default to the folder's (model.arch from its model_type,
+    the rest from the config.json values its family's converter reads), each checked by its key's rules."""
+    path = given.get("model.init_from")
+    if not isinstance(path, str) or not path.strip():
+        return {}
+    from ddpkit.models.hf import folder_defaults, is_hf_folder
+
+    if not is_hf_folder(path):
+        return {}  # refused by check_arch, which says what a folder needs
+    found = folder_defaults(path, MODEL_FAMILIES.entries())
+    return {key: (value, f"model.init_from '{path}' has {where}") for key, (value, where) in found.items()}
+
+
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
     """Make the names `family` owns valid model.arch values; asked before the built-in families (unless it gives
     an `order`). Refuses a second family of the same name unless replace=True."""
@@ -178,7 +194,7 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
         check_weights_path(pretrained)
     if cfg.model.init_from:
-        from ddpkit.models.hf import is_hf_folder
+        from ddpkit.models.hf import is_hf_folder, open_folder
 
         if family.hf is None:
             readers = " or ".join(f.name for f in MODEL_FAMILIES.values() if f.hf is not None)
@@ -191,6 +207,9 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
                 f"model.init_from '{cfg.model.init_from}' is not a Hugging Face folder (no config.json in it)",
                 "give a folder written by save_pretrained or by ddpkit export --to hf",
             )
+        open_folder(
+            cfg.model.init_from, MODEL_FAMILIES.entries()
+        )  # every check of its files, values and tensors, before workers start
 
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
@@ -229,10 +248,8 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
         else:
             key = "model.n_layer" if m.n_layer > 64 else "model.n_embd"
         raise UserError(
-            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} (data.block_size={cfg.data.block_size}, "
-            f"train.batch_size={cfg.train.batch_size}) needs about {need / 2**30:.0f} GiB "
-            f"({params:,} parameters with their gradients and optimizer state, and the activations), "
-            f"more than this machine's {have / 2**30:.0f} GiB",
+            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} needs about {need / 2**30:.0f} GiB at this "
+            f"batch and block size, over this machine's {have / 2**30:.0f} GiB",
             f"make {key} smaller",
         )
 
@@ -254,13 +271,16 @@ def build_model(
     *,
     vocab_size: int | None = None,
     block_size: int | None = None,
+    meta: bool = False,
 ) -> nn.Module:
     """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set.
 
     A language model (model.arch=gpt) takes `vocab_size` and `block_size` (the data's) instead of the classes and
     image shape. `report` receives the line saying what the pretrained weights filled in (default: the
-    `ddpkit.models` logger).
+    `ddpkit.models` logger). `meta`: built on the meta device (no values; parallel/materialize.py makes them).
     """
+    import torch
+
     from ddpkit.models.torchvision import model as torchvision_models
     from ddpkit.models.weights import load_matching, log, read_weights
 
@@ -269,12 +289,13 @@ def build_model(
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
-    if family.build_lm is not None:
-        if vocab_size is None or block_size is None:
-            raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
-        model = family.build_lm(arch, vocab_size, block_size, cfg.model)
-    else:
-        model = family.build(arch, num_classes, in_channels, image_size)
+    if family.build_lm is not None and (vocab_size is None or block_size is None):
+        raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if family.build_lm is not None:
+            model = family.build_lm(arch, vocab_size, block_size, cfg.model)
+        else:
+            model = family.build(arch, num_classes, in_channels, image_size)
     if pretrained == "torchvision":
         (report or log.info)(
             load_matching(

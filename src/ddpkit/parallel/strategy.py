@@ -59,7 +59,10 @@ class StrategyEntry:
     `with_pp`: runs over the data-parallel ranks of a pipeline (dist.pp);
     `hybrid`: shards inside groups of dist.dp_shard ranks and replicates across the groups;
     `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
-    replicas of a tensor-parallel model, "offload" dist.offload=cpu).
+    replicas of a tensor-parallel model, "offload" dist.offload=cpu);
+    `wraps_meta`: its wrap takes a model on the meta device and leaves it there, laid out (the plain module,
+    FSDP2's fully_shard): a model built on meta is made real after the wrap, each rank allocating only its
+    shards (parallel/materialize.py); without it the model is made whole before the wrap (DDP broadcasts it).
     """
 
     name: str
@@ -78,6 +81,7 @@ class StrategyEntry:
     with_pp: bool = False
     hybrid: bool = False
     auto: tuple[str, ...] = ()
+    wraps_meta: bool = False
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):
@@ -194,6 +198,7 @@ class Strategy:
     name = "single"
     mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
     offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
+    amp = "none"  # train.amp: bf16 makes FSDP2's own mixed precision (fsdp, hsdp, zero2)
 
     def __init__(
         self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
@@ -232,6 +237,11 @@ class Strategy:
     def collective_forward(self) -> bool:
         """True when every forward is a collective (fsdp): all ranks must run the same number of them."""
         return False
+
+    def step_autocast(self, autocast: Callable[[], Any]) -> Callable[[], Any]:
+        """The autocast factory a step runs under: train.amp's (`autocast`), or none where the strategy casts
+        the parameters itself (FSDP2's mixed precision)."""
+        return autocast
 
     def sync_context(self, wrapped: nn.Module, sync: bool):
         """Gradient sync on (last micro-step) or off (the others)."""

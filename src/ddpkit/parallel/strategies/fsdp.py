@@ -1,8 +1,10 @@
 """fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
 
-Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
-further; a pipeline: each stage, train/steps/pipeline.py); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
-(CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
+Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors further;
+a pipeline: each stage, train/steps/pipeline.py); dist.offload=cpu keeps the shards, their gradients and the
+optimizer state in CPU memory (CPUOffloadPolicy); train.amp=bf16 is FSDP2's own mixed precision
+(MixedPrecisionPolicy: bf16 gathers and compute, float32 reduce-scatters and master weights) instead of autocast over
+float32 gathers. The base Strategy gathers and scatters the full state of the DTensor parameters.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class FSDPStrategy(Strategy):
         None  # torch's default, ZeRO-3: gathered for forward and again for backward
     )
 
-    def shard_options(self) -> dict:
-        """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
+    def shard_options(self, root: bool = False) -> dict:
+        """fully_shard's keyword arguments for a unit, or the `root` (a subclass changes what is resharded or
+        offloaded)."""
         options: dict = {}
         if self.reshard_after_forward is not None:
             options["reshard_after_forward"] = self.reshard_after_forward
@@ -33,7 +36,22 @@ class FSDPStrategy(Strategy):
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+        if self.amp == "bf16":
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # FSDP2's own mixed precision: parameters all-gathered and computed in bf16 (half the bytes of a
+            # float32 gather), gradients reduce-scattered and kept in float32 beside float32 master shards; the
+            # root's output (the logits) in float32, where the loss is taken, as under autocast
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                output_dtype=torch.float32 if root else None,
+            )
         return options
+
+    def step_autocast(self, autocast):
+        return contextlib.nullcontext if self.amp == "bf16" else autocast
 
     def wrap(self, model: nn.Module) -> nn.Module:
         import torch
@@ -49,11 +67,10 @@ class FSDPStrategy(Strategy):
         stage's wrapper, whose forward the schedule calls); returns the root."""
         from torch.distributed.fsdp import fully_shard
 
-        options = self.shard_options()
         for block in shard_units(model):  # one shard group per block, then the root
-            fully_shard(block, **options)
+            fully_shard(block, **self.shard_options())
         root = model if root is None else root
-        fully_shard(root, **options)
+        fully_shard(root, **self.shard_options(root=True))
         return root
 
     def unwrap(self, wrapped):
@@ -72,28 +89,62 @@ class FSDPStrategy(Strategy):
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that get a shard group of their own. A model with containers of blocks (ModuleDict /
-    ModuleList children: a transformer's blocks, never called as a whole) shards each block as a unit and leaves
-    its other parts (embeddings, final norm, head) to the root's group, as torch's FSDP2 examples draw them: as
-    separate units those small parts cost a gather and a reduce-scatter each per step (fsdp at 0.865x
-    hand-written FSDP2 on gloo, 0.964x without them: benchmarks/RESULTS.md §16). A model without such
-    containers shards each top-level child that holds trainable parameters. Units that share a parameter (a head
-    tied to the token embedding) are left to the root's group, which holds a shared parameter once for all the
-    modules that use it."""
-    import collections
-
-    import torch.nn as nn
+    """The modules that get a shard group of their own: the model's repeated blocks (repeated_blocks: a
+    transformer's layers, never called as a whole), its other parts (embeddings, final norm, head) left to the
+    root's group, as torch's FSDP2 examples draw them: as separate units those small parts cost a gather and a
+    reduce-scatter each per step (fsdp at 0.865x hand-written FSDP2 on gloo, 0.964x without them:
+    benchmarks/RESULTS.md §16). A model with no blocks shards each top-level child that holds trainable
+    parameters. A unit holding a parameter that a module outside it holds too (a token embedding tied to the
+    head) is left to the root's group, which holds a shared parameter once for all the modules that use it."""
 
     def trainable(m: nn.Module) -> bool:
         return any(p.requires_grad for p in m.parameters())
 
-    containers = [c for c in model.children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
-    if containers:
-        units = [m for c in containers for m in c.children() if trainable(m)]
-    else:
+    units = [m for m in repeated_blocks(model) if trainable(m)]
+    if not units:
         units = [m for m in model.children() if trainable(m)]
-    uses = collections.Counter(id(p) for m in units for p in m.parameters())
-    return [m for m in units if all(uses[id(p)] == 1 for p in m.parameters())]
+    holders: dict[int, set[int]] = {}  # parameter -> the modules holding it
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+
+    def alone(unit: nn.Module) -> bool:
+        inside = {id(m) for m in unit.modules()}
+        return all(holders[id(p)] <= inside for p in unit.parameters())
+
+    return [m for m in units if alone(m)]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: the modules of the classes its `_no_split_modules` names (transformers' declaration of
+    its decoder layers), else the children of its outermost ModuleDicts / ModuleLists, at any depth (ddpkit's
+    `blocks`, transformers' `model.layers`), a container among them opened in turn (nanoGPT's `transformer.h`);
+    [] when there are none."""
+    import torch.nn as nn
+
+    containers = (nn.ModuleDict, nn.ModuleList)
+    declared = getattr(model, "_no_split_modules", None) or ()
+    names = {declared} if isinstance(declared, str) else set(declared)
+
+    def outermost(wanted) -> list[nn.Module]:
+        found: dict[int, nn.Module] = {}
+
+        def visit(m: nn.Module) -> None:
+            for c in m.children():
+                if wanted(c):
+                    found.setdefault(id(c), c)
+                else:
+                    visit(c)
+
+        visit(model)
+        return list(found.values())
+
+    def opened(m: nn.Module) -> list[nn.Module]:
+        return [b for c in m.children() for b in (opened(c) if isinstance(c, containers) else [c])]
+
+    blocks = outermost(lambda m: type(m).__name__ in names) if names else []
+    return blocks or [b for c in outermost(lambda m: isinstance(m, containers)) for b in opened(c)]
 
 
 def _recognizes(model, optimizer) -> bool:
@@ -115,4 +166,5 @@ ENTRY = StrategyEntry(
     with_pp=True,
     auto=("offload",),
     recognizes=_recognizes,
+    wraps_meta=True,
 )
