@@ -73,6 +73,12 @@ RUN = {
     "ddpkit train -c configs/text_llama.yaml dist.tp=2 model.activation_checkpointing=full --nproc-per-node 2": (
         "test_language_model_lines_train_as_written"
     ),
+    "ddpkit train -c configs/text_llama.yaml model.arch=qwen3 --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_llama.yaml model.arch=mistral model.sliding_window=32 --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
     "ddpkit train -c configs/text_gpt.yaml dist.strategy=ddp --nproc-per-node 2": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml dist.strategy=zero1 --nproc-per-node 2": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml dist.strategy=zero2 --nproc-per-node 2": "test_language_model_lines_train_as_written",
