@@ -171,7 +171,9 @@ def count_command(cfg, args, ctx):
     print(f"rank {ctx.rank}/{ctx.world_size}: sum {total.item() * args.times:g}", flush=True)
 
 
-COMMAND = Command("count", "sum the ranks, each plus one", "myext:count_command", config="dist")
+COMMAND = Command(
+    "count", "sum the ranks, each plus one", "myext:count_command", config="dist", flags="myext:add_flags"
+)
 
 
 # a language model whose family declares its own parallel facts, written with torch's styles only

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ddpkit.cluster.env import DistEnv, detect_env, manual_env
-from ddpkit.commands import Command, CommandParser, all_commands, get_command
+from ddpkit.commands import COMMANDS, Command, CommandParser, all_commands, get_command
 from ddpkit.config import describe_keys, load_config
 from ddpkit.diagnostics import stacks
 from ddpkit.errors import Failure, UserError, describe_os_error, escaped
@@ -30,7 +30,6 @@ from ddpkit.parallel.plan import check_config
 
 def command_parser(command: Command) -> argparse.ArgumentParser:
     """The parser of `ddpkit CMD`: its config arguments, its own flags, and launch flags where they apply."""
-
     p = CommandParser(prog=f"ddpkit {command.name}", description=command.help)
     if command.config == "train":
         p.add_argument(
@@ -41,9 +40,9 @@ def command_parser(command: Command) -> argparse.ArgumentParser:
             action="store_true",
             help="print every config key with its default, type and meaning (docs/config.md), then exit",
         )
-    add_flags = getattr(command.module, "add_flags", None)
-    if add_flags is not None:
-        add_flags(p)
+    flags = command.hook("flags")
+    if flags is not None:
+        flags(p)
     if command.config != "none":
         what = (
             "dotted config overrides, e.g. train.epochs=5" if command.config == "train" else "dist.* settings"
@@ -74,12 +73,10 @@ def parse(argv: Sequence[str]) -> tuple[Command, argparse.Namespace]:
     name = argv[0]
     command = get_command(name)
     if command is None:
-        import difflib
-
         names = list(all_commands())
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "commands: " + ", ".join(names)
-        raise UserError(f"unknown command '{name}'", hint)
+        raise UserError(
+            f"unknown command '{name}'", COMMANDS.hint(name, names, otherwise="commands: " + ", ".join(names))
+        )
     if command.mode != "group":
         given = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in LAUNCH_FLAGS]
         if given:
@@ -111,11 +108,11 @@ def preflight(command: Command, cfg, env) -> None:
 
     backend, _ = resolve_device_backend(env, cfg.dist.backend, cfg.dist.device)
 
-    if command.name == "train":  # the model can be split over these ranks, the strategy can run over them
+    if command.plans_layout:  # the model can be split over these ranks, the strategy can run over them
         check_config(cfg, env.world_size, env.local_world_size, backend)
     else:
         layout_of(env.world_size, cfg.dist.tp, cfg.dist.pp)
-    check = getattr(command.module, "preflight", None)
+    check = command.hook("preflight")
     if check is not None:
         check(cfg)
 
@@ -141,12 +138,12 @@ def _run_group(command: Command, cfg, args: argparse.Namespace, argv: list[str])
     spec = spec_from_args(args)
     if spec.starts_workers:
         startup.publish()  # the workers measure their start-up from ours
-        preload = getattr(command.module, "preload", None)
+        preload = command.hook("preload")
         if preload is not None:
             start_warm(
                 spec, preload(cfg)
             )  # it imports torch for the workers while we import it for the agent
-        in_launcher = getattr(command.module, "in_launcher", None)
+        in_launcher = command.hook("in_launcher")
         tail = in_launcher(cfg, spec) if in_launcher is not None else None
         try:
             nproc = spec.nproc_per_node or 1
@@ -197,7 +194,6 @@ def _stdout_gone() -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: exit 0, 2 for user errors, the failure's own code (1, or 3 when preempted), 1 for an
     OSError."""
-
     die_with_launcher()  # a worker that ddpkit's launcher started as a program ends with it
     stacks.arm()  # SIGUSR2 dumps this process's Python stack
     argv = sys.argv[1:] if argv is None else argv

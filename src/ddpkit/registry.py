@@ -5,10 +5,12 @@ outside come before a built-in one: the built-ins leave gaps (100, 200, ...) bet
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 from ddpkit.entrypoints import entry_object, named_entry
+from ddpkit.errors import UserError
 
 T = TypeVar("T")
 
@@ -97,8 +99,32 @@ class Registry(Mapping[str, T]):
         entry = named_entry(self.group, name, self.cls, f"{self.what} '{name}'", self.spelled)
         return None if entry is None else self.register(entry, replace=True)
 
+    def get(self, name: str, key: str, also: Iterable[str] = ()) -> T:
+        """The entry `name` (as `find`); a UserError `unknown KEY 'NAME'` with the closest name when there is none
+        (`also`: names that are valid though not entries, e.g. `auto`)."""
+        entry = self.find(name)
+        if entry is None:
+            raise UserError(f"unknown {key} '{name}'", self.hint(name, [*also, *self]))
+        return entry
+
+    def hint(
+        self,
+        name: str,
+        names: Iterable[str] | None = None,
+        *,
+        cutoff: float = 0.6,
+        otherwise: str | None = None,
+    ) -> str:
+        """`did you mean 'X'?` for the closest of `names` (default: the entries' names) to a mistyped `name`;
+        `otherwise` (default: `choose one of ...`) when none is close."""
+        names = list(self if names is None else names)
+        close = difflib.get_close_matches(name, names, n=1, cutoff=cutoff)
+        if close:
+            return f"did you mean '{close[0]}'?"
+        return otherwise if otherwise is not None else "choose one of " + ", ".join(names)
+
     def _load_entry_points(self, keep: Callable[[str], bool] = lambda name: True) -> None:
-        from importlib.metadata import entry_points
+        from importlib.metadata import entry_points  # 10 ms: only when a name is not registered
 
         for ep in entry_points(group=self.group):
             if ep.name not in self._entries and keep(ep.name):

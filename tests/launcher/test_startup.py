@@ -251,7 +251,7 @@ def test_every_built_in_command_that_runs_on_workers_has_them_forked_with_its_mo
     group = [c for c in COMMANDS.entries() if c.mode == "group" and c.entry.startswith("ddpkit.")]
     assert sorted(c.name for c in group) == ["comm", "eval", "info", "train"]
     for command in group:
-        modules = command.module.preload(cfg)
+        modules = command.hook("preload")(cfg)
         assert modules[: len(EVERY_WORKER)] == EVERY_WORKER and command.module.__name__ in {
             *modules,
             "ddpkit.commands.train",  # the trainer's modules stand for it

@@ -141,7 +141,6 @@ def load_checkpoint(
 def _load_sharded_side(path: Path, require: tuple[str, ...]) -> dict[str, Any]:
     """A sharded checkpoint's state.pt (everything but the tensors), checked like a file's entries; the
     tensors' presence is read from its metadata (safely: see dcp_io)."""
-
     side = path / SIDE
     if not side.is_file():
         raise UserError(
@@ -207,7 +206,6 @@ class CheckpointDir:
     def save_sharded(self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool) -> None:
         """The sharded counterpart of save_epoch (side["consumed"] == 0) and save_step, every rank writing its
         tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone."""
-
         target = self.last if side["consumed"] else self.epoch_path(side["epoch"])
         sharded.write(target, tensors, side, is_main)
         if not is_main:
@@ -221,14 +219,12 @@ class CheckpointDir:
     def candidates(self) -> list[Path]:
         """The checkpoints a resume may continue from, newest first: last.pt or last.dcp (the newer first), then
         the epoch checkpoints. A last.dcp that a killed save left renamed aside counts as last.dcp."""
-
         lasts = [p for p in (self.dir / "last.pt", surviving(self.dir / "last.dcp")) if p and p.exists()]
         return sorted(lasts, key=_mtime, reverse=True) + self.epoch_files()
 
     def sweep(self) -> None:
         """Remove the temporaries of saves that were killed half-way, only the names ddpkit makes (a folder
         renamed aside goes back)."""
-
         if self.dir.is_dir() and not self.dir.is_symlink():
             for old in self.dir.glob(".*.dcp.prev"):
                 restore_aside(self.dir / old.name[1 : -len(".prev")])
@@ -247,7 +243,6 @@ class CheckpointDir:
 
 def _mtime(path: Path) -> float:
     """When a checkpoint was completed: its file's time, or a folder's state.pt's (written last)."""
-
     try:
         return (path / SIDE if path.is_dir() else path).stat().st_mtime
     except OSError:

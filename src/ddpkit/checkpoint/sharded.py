@@ -125,7 +125,6 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
 def _write_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed DCP save on any rank (DCP wraps each rank's in a CheckpointException)."""
-
     for failure in (getattr(e, "_failures", {}) or {}).values():
         cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
         if isinstance(cause, BaseException) and (found := os_cause(cause)) is not None:

@@ -135,7 +135,11 @@ class LauncherDetector:
 
 DETECTOR_ENTRY_POINT_GROUP = "ddpkit.launchers"
 DETECTORS: Registry[LauncherDetector] = Registry(
-    "launcher", DETECTOR_ENTRY_POINT_GROUP, LauncherDetector, "ddpkit.cluster.launchers.LauncherDetector"
+    "launcher",
+    DETECTOR_ENTRY_POINT_GROUP,
+    LauncherDetector,
+    "ddpkit.cluster.launchers.LauncherDetector",
+    builtins=lambda: _builtin_detectors(),  # the table at the end of this module
 )
 
 
@@ -206,7 +210,7 @@ def _pbs(env: Mapping[str, str]) -> DistEnv:
 
 
 # The built-in table, in order of precedence (torchrun's variables win over the cluster's that started it).
-for _detector in (
+_BUILTIN = (
     LauncherDetector("torchrun", lambda e: "RANK" in e or "WORLD_SIZE" in e, _from_torchrun, "WORLD_SIZE"),
     LauncherDetector(
         "slurm",
@@ -225,8 +229,12 @@ for _detector in (
         "lsf", lambda e: "JSM_NAMESPACE_RANK" in e or "JSM_NAMESPACE_SIZE" in e, _lsf, "JSM_NAMESPACE_SIZE"
     ),
     LauncherDetector("pbs", lambda e: "PBS_VNODENUM" in e and "PBS_NODEFILE" in e, _pbs, None),
-):  # orders 100, 200, ...: a hundred apart, so a package's launcher can come between two of them
-    register_launcher(dataclasses.replace(_detector, order=100 * (len(DETECTORS) + 1)))
+)
+
+
+def _builtin_detectors() -> list[LauncherDetector]:
+    """The table at orders 100, 200, ...: a hundred apart, so a package's launcher can come between two of them."""
+    return [dataclasses.replace(d, order=100 * (i + 1)) for i, d in enumerate(_BUILTIN)]
 
 
 def launchers() -> list[LauncherDetector]:

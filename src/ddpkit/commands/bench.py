@@ -101,7 +101,6 @@ def child_argv(cfg, args, n: int, steps: int | None, out_dir: Path) -> list[str]
 def check_child_inputs(cfg, args, n: int, steps: int) -> None:
     """The checks `ddpkit train` runs on its inputs (data, model, layout), run here on the config of the first
     count's child, so that a bad input ends the bench before it prints anything."""
-
     argv = child_argv(cfg, args, n, steps, Path(tempfile.gettempdir()) / "ddpkit-bench-check")
     overrides = [a for a in argv[argv.index("train") + 1 : -2] if "=" in a and not a.startswith("-")]
     check_inputs(load_config(args.config, overrides))

@@ -224,7 +224,6 @@ def _ensure_group(ctx: DistContext) -> None:
 
 def preload(cfg) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-
     return [*EVERY_WORKER, __name__, "ddpkit.diagnostics.collective_check"]
 
 

@@ -20,13 +20,11 @@ from ddpkit.train.tasks import evaluate, task_for
 
 def preload(cfg: Config) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-
     return [*EVERY_WORKER, __name__, "ddpkit.train.tasks", *model_and_data_modules(cfg)]
 
 
 def eval_command(cfg: Config, args, ctx: DistContext) -> int:
     """The trainer's builders for the data and the model, the checkpoint's weights, then evaluate()."""
-
     path = cfg.checkpoint.path
     if not path:
         raise UserError(

@@ -14,7 +14,6 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None =
     """This rank's line: who it is, where it runs, the interface and address its process group uses, and its
     coordinates in the dist.tp x dist.pp layout (dp= tp= pp=, and dp_replicate= dp_shard= of the dp dim split
     into HSDP's sharding groups of `dp_shard` ranks; None: one group)."""
-
     e = ctx.env
     master = e.init_method if e.init_method.startswith("file://") else f"{e.master_addr}:{e.master_port}"
     return (
@@ -26,7 +25,6 @@ def rank_line(ctx: DistContext, tp: int = 1, pp: int = 1, dp_shard: int | None =
 
 def preload(cfg) -> list[str]:
     """The modules every worker imports (imported once by the launch's fork server: cli.py)."""
-
     return [*EVERY_WORKER, __name__, "ddpkit.parallel.mesh"]
 
 

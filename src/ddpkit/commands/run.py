@@ -57,7 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(ddpkit's launch flags, the python arguments: [SCRIPT, args...] or [-m, MODULE, args...])."""
-
     flags = LAUNCH_FLAGS | local_rank.FLAGS
     argv = list(argv)
     i = 0
@@ -99,7 +98,6 @@ def _check_target(target: list[str]) -> None:
 
 def _exec(target: list[str]) -> None:
     """Become `python -u TARGET` with torchrun's variables for this rank (never returns)."""
-
     env = detect_env()
     variables = torch_variables(env)
     if env.launcher == "none":  # one process, as `torchrun --nproc-per-node 1` would run it
@@ -112,7 +110,6 @@ def _exec(target: list[str]) -> None:
 
 def run_command(argv: Sequence[str]) -> int:
     """`ddpkit run`: parse, then start workers or become the script."""
-
     flags, target = split(argv)
     args = _parser().parse_args(flags)
     spec = spec_from_args(args)

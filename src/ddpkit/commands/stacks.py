@@ -44,7 +44,6 @@ def jobs(pid: int | None = None) -> dict[int, Path]:
 
 def stacks_command(argv: Sequence[str]) -> int:
     """Print every running rank's stack, job by job."""
-
     p = CommandParser(prog="ddpkit stacks", description=__doc__.splitlines()[0])
     p.add_argument("pid", nargs="?", type=int, metavar="PID", help="the launcher's pid (default: every one)")
     args: argparse.Namespace = p.parse_args(list(argv))

@@ -39,7 +39,6 @@ def preflight(cfg: Config) -> None:
 def model_and_data_modules(cfg: Config) -> list[str]:
     """The modules that build cfg's model and data sets (the trainer's builders and what they import, and what
     the model's family and the data set's entry say they need)."""
-
     modules = ["ddpkit.train.builders", "ddpkit.config.safe_yaml", "ddpkit.data.builtin"]
     wanted = [*preload_for(cfg.model.arch), *get_dataset(cfg.data.dataset).preload]
     return modules + sorted(set(wanted), key=wanted.index)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ddpkit.config.declared import run_before_keys, run_checks
+from ddpkit.config.declared import run_before_keys, run_checks, section_class
 from ddpkit.config.keys import check_keys, flatten, override_value, parse_overrides
 from ddpkit.config.reference import describe_keys
 from ddpkit.config.schema import check_value, shown
@@ -76,12 +76,7 @@ def load_config(
     for key, value in values.items():
         sec, _, name = key.rpartition(".")
         (nested[sec] if sec else nested)[name] = value
-    cfg = Config(
-        **{
-            k: section_fields()[k].metadata["cls"](**v) if k in section_fields() else v
-            for k, v in nested.items()
-        }
-    )
+    cfg = Config(**{k: section_class(k)(**v) if k in section_fields() else v for k, v in nested.items()})
     if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":
         raise UserError(
             "dist.backend=nccl needs CUDA devices but dist.device=cpu", "use dist.backend=gloo on CPU"

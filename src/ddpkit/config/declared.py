@@ -8,9 +8,11 @@ own families, methods and registries are named in `DECLARED_BY` and imported onc
 read, the way an installed package's entry point is loaded by name; a family from an installed package declares
 its keys when its entry point loads (ddpkit.models).
 
-A key set is a dataclass of `opt()` fields (its docstring: what the keys are for); its fields become fields of
-the section's own dataclass (`cfg.model.n_layer`), so defaults, types, bounds, errors, config.yaml and
-`--help-config` treat a declared key as any other.
+A key set is a dataclass of `opt()` fields (its docstring: what the keys are for). The schema's section classes
+(config/sections.py) are built once and never changed: a loaded config's section is an instance of
+`section_class(name)`, a dataclass made (`dataclasses.make_dataclass`) from the section's class and the key sets
+declared into it, once per set of declarations, so `cfg.model.n_layer` is a field like any other and defaults,
+types, bounds, errors, config.yaml and `--help-config` treat a declared key as any other.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class KeySet:
         return f"`{self.by}={', '.join(self.owners)}`: {self.keys.__doc__}"
 
 
-_SECTIONS: dict[str, type] = {}  # section name -> its dataclass (set by config/sections.py)
+_SECTIONS: dict[str, type] = {}  # section name -> its own dataclass (set by config/sections.py)
+_BUILT: dict[tuple[str, int], type] = {}  # (section, generation) -> its class with the keys declared so far
 _SETS: dict[type, KeySet] = {}  # key-set dataclass -> where it went, in declaration order
 _CHECKS: list[Callable[[Any], None]] = []
 _BEFORE: list[Callable[[dict[str, Any]], None]] = []
@@ -82,45 +85,69 @@ def declare(section: str, keys: type, by: str, owner: str) -> None:
         if owner not in _SETS[keys].owners:
             _SETS[keys].owners.append(owner)
         return
-    cls = _SECTIONS[section]
     hints = typing.get_type_hints(keys)
     new = dataclasses.fields(keys)
-    taken = [f.name for f in new if f.name in cls.__dataclass_fields__]
+    have = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+    have |= {f.name for s in key_sets(section) for f in dataclasses.fields(s.keys)}
+    taken = [f.name for f in new if f.name in have]
     if taken:
         raise ValueError(
             f"config key {section}.{taken[0]} is already declared: give {owner}'s key another name"
         )
     for f in new:
         spec_of(f"{section}.{f.name}", f, hints[f.name])  # a scalar type and opt(), or a TypeError now
-    hints = {**typing.get_type_hints(cls), **hints}
-    _remake(cls, [*dataclasses.fields(cls), *new], hints)
     _SETS[keys] = KeySet(section, keys, by, [owner])
     _state["generation"] += 1
 
 
 def forget(keys: type) -> None:
     """Take a declared key set off its section again (a test's or a session's own family)."""
-    key_set = _SETS.pop(keys, None)
-    if key_set is not None:
-        cls, gone = _SECTIONS[key_set.section], {f.name for f in dataclasses.fields(keys)}
-        kept = [f for f in dataclasses.fields(cls) if f.name not in gone]
-        _remake(cls, kept, typing.get_type_hints(cls))
-        for name in gone:
-            delattr(cls, name)
+    if _SETS.pop(keys, None) is not None:
         _state["generation"] += 1
 
 
-def _remake(cls: type, fields: list[dataclasses.Field], hints: dict[str, Any]) -> None:
-    """Make `cls` a dataclass of `fields` (typed by `hints`): the same class object, so every reference to it
-    (annotations, isinstance, pickle) stays valid, and an instance made before reads a new key's default from
-    the class."""
-    for name in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__"):
-        if name in cls.__dict__:
-            delattr(cls, name)
-    for f in fields:  # declared again (dataclass replaced each field by its default)
-        setattr(cls, f.name, dataclasses.field(default=f.default, metadata=f.metadata))
-    cls.__annotations__ = {f.name: hints[f.name] for f in fields}
-    dataclasses.dataclass(cls)
+def section_class(section: str) -> type:
+    """The class of config section `section`: a subclass of its own dataclass with the keys declared into it so
+    far, made once per set of declarations (an instance of an earlier one reads a key declared since as its
+    default: sections.Section)."""
+    load_declarers()
+    built = _BUILT.get((section, generation()))
+    if built is None:
+        base = _SECTIONS[section]
+        fields = []
+        for key_set in key_sets(section):
+            hints = typing.get_type_hints(key_set.keys)
+            fields += [
+                (f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+                for f in dataclasses.fields(key_set.keys)
+            ]
+        built = dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
+        built.__module__, built.__doc__ = base.__module__, base.__doc__
+        for old in [k for k in _BUILT if k[1] != generation()]:  # an earlier set of declarations'
+            del _BUILT[old]
+        _BUILT[(section, generation())] = built
+    return built
+
+
+def section_of(instance: Any) -> str:
+    """The name of the section whose class `instance` is (or a subclass of)."""
+    return next(name for name, base in _SECTIONS.items() if isinstance(instance, base))
+
+
+def declared_default(section: str, name: str) -> Any:
+    """The default of key `name` declared into `section`; AttributeError when no key set declares it."""
+    for key_set in key_sets(section):
+        found = {f.name: f for f in dataclasses.fields(key_set.keys)}.get(name)
+        if found is not None:
+            return found.default
+    raise AttributeError(name)
+
+
+def remade(section: str, values: dict[str, Any]) -> Any:
+    """An instance of section_class(section) holding `values` (how a pickled section is read back)."""
+    cls = section_class(section)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
 
 
 def key_sets(section: str | None = None) -> list[KeySet]:

@@ -1,6 +1,8 @@
 """The schema's own sections: the keys every run has (typed dataclasses, each key's type, bounds and meaning beside
-it, `opt()`). A model family's or a compression method's own keys are added to these sections by their owners
-(config/declared.py): model.n_layer by the transformer families, dist.powersgd_rank by PowerSGD."""
+it, `opt()`). A model family's or a compression method's own keys are declared into these sections by their owners
+(config/declared.py: model.n_layer by the transformer families, dist.powersgd_rank by PowerSGD); a loaded config's
+section is an instance of the section's class with those keys added (`declared.section_class`), built once per
+set of declarations; these classes themselves never change."""
 
 from __future__ import annotations
 
@@ -9,15 +11,37 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ddpkit.config.declared import generation, load_declarers, own_sections
+from ddpkit.config.declared import (
+    declared_default,
+    generation,
+    load_declarers,
+    own_sections,
+    remade,
+    section_class,
+    section_of,
+)
 from ddpkit.config.schema import Spec, opt, spec_of
 
 # torch turns dist.timeout_s into a timedelta: an infinite or huge one crashes the workers (OverflowError)
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
+class Section:
+    """What every section's class has besides its keys: a key declared after the instance was made reads as its
+    default, and a pickled instance is read back as the section's class of the reader's declarations."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return declared_default(section_of(self), name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return remade, (section_of(self), values)
+
+
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """The training and validation data, and how it is loaded."""
 
     dataset: str = opt(
@@ -89,7 +113,7 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """The network."""
 
     arch: str = opt(
@@ -116,7 +140,7 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """The training loop."""
 
     epochs: int = opt(25, "passes over the training set", gt=0, aka=("max_epoch", "num_epochs"))
@@ -155,7 +179,7 @@ class TrainConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     """The optimizer and the learning-rate schedule."""
 
     name: Literal["sgd", "adamw"] = opt("sgd", "the optimizer")
@@ -183,7 +207,7 @@ class OptimConfig:
 
 
 @dataclass
-class DistConfig:
+class DistConfig(Section):
     """The process group and how the model is spread over it."""
 
     backend: Literal["auto", "gloo", "nccl", "mpi"] = opt(
@@ -232,7 +256,7 @@ class DistConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """Saving and resuming."""
 
     resume: str = opt(
@@ -257,7 +281,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     """Validation: every validation sample is scored exactly once, whatever the world size."""
 
     every: int = opt(1, "evaluate every N epochs (and always after the last)", gt=0)
@@ -265,7 +289,7 @@ class EvalConfig:
 
 
 @dataclass
-class ReportConfig:
+class ReportConfig(Section):
     """What rank 0 draws at the end of training."""
 
     curves: bool = opt(
@@ -278,8 +302,7 @@ def section(cls: type, *aka: str) -> Any:
     `aka` are other frameworks' names for it, used in suggestions."""
 
     def make() -> Any:
-        load_declarers()
-        return cls()
+        return section_class(section_of_class(cls))()
 
     return field(default_factory=make, metadata={"aka": aka, "cls": cls})
 
@@ -310,6 +333,11 @@ class Config:
     report: ReportConfig = section(ReportConfig)
 
 
+def section_of_class(cls: type) -> str:
+    """The name of the section whose own dataclass is `cls`."""
+    return next(n for n, f in _SECTION_FIELDS.items() if f.metadata["cls"] is cls)
+
+
 def section_fields() -> dict[str, dataclasses.Field]:
     """Section name -> its field in Config (metadata: its dataclass, "cls", and its aka names)."""
     return _SECTION_FIELDS
@@ -325,9 +353,7 @@ def key_specs() -> dict[str, Spec]:
     load_declarers()
     if generation() not in _specs:
         out: dict[str, Spec] = {}
-        for prefix, cls in [("", Config)] + [
-            (f"{n}.", f.metadata["cls"]) for n, f in _SECTION_FIELDS.items()
-        ]:
+        for prefix, cls in [("", Config)] + [(f"{n}.", section_class(n)) for n in _SECTION_FIELDS]:
             hints = typing.get_type_hints(cls)
             for f in dataclasses.fields(cls):
                 if "cls" not in f.metadata:

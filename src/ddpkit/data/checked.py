@@ -124,7 +124,6 @@ class SkipCollate:
 
 def checked(ds: Dataset, split: str, skip: bool) -> Dataset:
     """`ds` wrapped in CheckedSamples, unless its samples live in memory (nothing there to decode)."""
-
     if isinstance(ds, (TensorImageDataset, SyntheticImages, CheckedSamples)) or getattr(
         ds, "in_memory", False
     ):
@@ -146,7 +145,6 @@ def check_decodable(train: Dataset, val: Dataset) -> None:
 def skipped_in_epoch(train: Dataset, val: Dataset, epoch: int, warn: Callable[[str], None]) -> int:
     """Samples left out since the last call over all ranks (collective when data.skip_corrupt, else 0); warn()
     names them on rank 0."""
-
     sets = [ds for ds in (train, val) if isinstance(ds, CheckedSamples) and ds.skip]
     if not sets:
         return 0

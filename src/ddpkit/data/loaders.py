@@ -333,7 +333,6 @@ def build_loaders(
     cfg: Config, rank: int, world_size: int, train_ds: Dataset, val_ds: Dataset
 ) -> tuple[DistributedLoader, DataLoader]:
     """The trainer's (train, val) loaders from cfg.train, cfg.eval, cfg.data and cfg.seed."""
-
     workers = cfg.data.num_workers
     common = {"num_workers": workers, "pin_memory": cfg.data.pin_memory, "persistent_workers": workers > 0}
     train = DistributedLoader(

@@ -32,7 +32,6 @@ class _Ended:
 
 def launched_world() -> tuple[str, int] | None:
     """(variable, size) when a launcher says this process is one of several, else None."""
-
     for var in world_variables():
         raw = os.environ.get(var, "").strip()
         if raw.isdigit() and int(raw) > 1:

@@ -67,7 +67,6 @@ def probe(host: str, port: int, window_s: float | None = None) -> None:
 def probe_launch(backend: str, endpoint: str, node_rank: int, rdzv_timeout: float) -> None:
     """A launcher node that connects to a rendezvous store another node hosts: probe it first (for at most
     --rdzv-timeout)."""
-
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if backend == "static" and node_rank == 0:

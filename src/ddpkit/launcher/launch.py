@@ -74,7 +74,6 @@ def start_warm(spec: Any, modules: list[str]) -> bool:
     """Start the fork server that imports `modules` for the workers while this launcher imports torch for the
     agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
     program of the user's own that calls ddpkit's command line)."""
-
     if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
         return False
     set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it

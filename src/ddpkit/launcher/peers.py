@@ -49,7 +49,6 @@ _LOST = _LostNodes()
 def _live_children() -> list[int]:
     """This agent's workers that have not exited (an agent stuck in a store call reaps nobody): its children, or
     its fork server's (the fork server itself lives on and is not a worker)."""
-
     return [p for p in worker_pids() if _state(p) not in ("Z", "X", "")]
 
 

@@ -122,7 +122,6 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
     """Under srun with one task per node (`srun -N 2 --ntasks-per-node 1 ddpkit ... --nnodes 2`), each task is
     one node's agent: node 0 is the first host of the node list, this node's rank is SLURM_NODEID, the port is
     derived from the job id unless MASTER_PORT is set."""
-
     nodes = slurm_nodelist(environ)
     if (
         spec.nnodes == 1

@@ -34,7 +34,6 @@ from ddpkit.launcher.signals import die_with_launcher
 def run_python(target: list[str]) -> int:
     """Run `python TARGET` inside this process: the script (or -m MODULE) as __main__; its exit status.
     An uncaught exception propagates (a spawned worker reports it to its launcher)."""
-
     try:
         if target[0] == "-m":
             sys.argv = [target[1], *script_args(target[2:])]
@@ -84,7 +83,6 @@ def _report(e: BaseException) -> int:
     process group, torch's hook prefixes each line with `[rankN]:` (as under torchrun). A UserError that ddpkit
     raised in the script (prepare, launch, the loaders) is ddpkit's one line instead, said once for the job by
     the launcher; the exit status: 2 for it, else 1."""
-
     if isinstance(e, UserError):
         line = f"ddpkit: error: {e.line()}"
         if not stacks.say_error(line):

@@ -10,7 +10,6 @@ the registry is first asked. torchvision and timm are imported inside the functi
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -150,12 +149,8 @@ def model_family(arch: str) -> ModelFamily:
         owner.check(arch)
         return owner
     names = [name for family in MODEL_FAMILIES.values() for name in family.names()]
-    close = difflib.get_close_matches(arch.lower(), names, n=1, cutoff=0.5)
-    hint = (
-        f"did you mean '{close[0]}'?"
-        if close
-        else "use cnn, mlp, a torchvision classification model such as resnet18"
-    )
+    otherwise = "use cnn, mlp, a torchvision classification model such as resnet18"
+    hint = MODEL_FAMILIES.hint(arch.lower(), names, cutoff=0.5, otherwise=otherwise)
     raise UserError(f"unknown model.arch '{arch}'", hint + "; timm models are written timm:NAME")
 
 
@@ -200,7 +195,6 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     """A language model needs token data and a classifier images; the family's own keys fit together."""
-
     arch, dataset = cfg.model.arch, cfg.data.dataset
     tokens = get_dataset(dataset).tokens
     if family.tokens and not tokens:

@@ -144,7 +144,6 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -
 def export(model: torch.nn.Module, out_dir: str | os.PathLike, family: ModelFamily | None) -> Path:
     """Write `model` (of `family`, whose converter names its tensors) as a Hugging Face folder: config.json and
     model.safetensors, in float32."""
-
     hf = converter(family, model)
     cfg = {"bos_token_id": None, "eos_token_id": None, **hf.config(model), "torch_dtype": "float32"}
     tensors = {k: v.detach().float().contiguous().clone() for k, v in hf.to_theirs(model).items()}

@@ -35,7 +35,6 @@ class Loaded:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path` itself when it is a checkpoint; in a run directory (or its checkpoints/ folder) the best checkpoint,
     else the last; UserError when there is none."""
-
     p = Path(os.path.expanduser(str(path)))
     if p.is_file() or is_sharded(p):
         return p
@@ -55,7 +54,6 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 def from_checkpoint(path: str | os.PathLike) -> Loaded:
     """The language model of a ddpkit checkpoint (any layout it was trained in), on one process."""
-
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
@@ -88,7 +86,6 @@ def from_checkpoint(path: str | os.PathLike) -> Loaded:
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """The model of the family whose Hugging Face converter reads the folder (the built-in GPT for GPT-2's, the
     Llama for Llama's), holding the folder's weights."""
-
     family, shape, sd = load_folder(path, MODEL_FAMILIES.entries())
     model = family.hf.build(**shape)
     load_into(model, sd, f"'{path}'")
@@ -110,7 +107,6 @@ def load_model(path: str | os.PathLike) -> nn.Module:
 
 def init_from(model: nn.Module, path: str, report: Any = None) -> None:
     """model.init_from: a Hugging Face folder's weights into the freshly built `model` (shapes must agree)."""
-
     if not is_hf_folder(path):
         raise UserError(
             f"model.init_from '{path}' is not a Hugging Face folder (no config.json in it)",

@@ -14,23 +14,10 @@ from typing import Any
 
 from ddpkit import _moved
 from ddpkit.config.declared import before_keys, check_with, declare, key_sets
-from ddpkit.errors import UserError
-from ddpkit.parallel.compression_method import CompressionMethod, PowerSGDKeys
+from ddpkit.parallel.compression_method import BUILTIN, CompressionMethod
 from ddpkit.registry import Registry
 
 ENTRY_POINT_GROUP = "ddpkit.compression"
-
-
-def _fp16(ddp: Any, options: Any) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-
-
-def _bf16(ddp: Any, options: Any) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
 def _declare_keys(method: CompressionMethod) -> None:
@@ -43,8 +30,11 @@ _REGISTRY: Registry[CompressionMethod] = Registry(
     ENTRY_POINT_GROUP,
     CompressionMethod,
     "ddpkit.parallel.compression.CompressionMethod",
+    builtins=lambda: BUILTIN,
     added=_declare_keys,  # a method's own config keys join the schema when it is registered
 )
+for _method in BUILTIN:  # the built-ins' keys are known before the registry is first asked (--help-config)
+    _declare_keys(_method)
 
 
 def register_compression(method: CompressionMethod, *, replace: bool = False) -> CompressionMethod:
@@ -53,40 +43,14 @@ def register_compression(method: CompressionMethod, *, replace: bool = False) ->
     return _REGISTRY.register(method, replace=replace)
 
 
-# PowerSGD's method (powersgd.py, METHOD: keys=PowerSGDKeys) imports torch and is registered when first asked
-# for; its keys are declared now, so a config that sets them loads without torch
-declare("dist", PowerSGDKeys, "dist.grad_compression", "powersgd")
-
-
-register_compression(CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None))
-register_compression(CompressionMethod("fp16", "gradients sent as float16 (half the bytes)", register=_fp16))
-register_compression(CompressionMethod("bf16", "gradients sent as bfloat16 (half the bytes)", register=_bf16))
-
-
-def _load_builtin() -> None:
-    if "powersgd" not in _REGISTRY:
-        from ddpkit.parallel import powersgd  # imports torch: only once a method is looked up
-
-        register_compression(powersgd.METHOD)
-
-
 def compression_names() -> list[str]:
-    """The registered names; powersgd's module (it imports torch) is loaded only when it is used."""
-    return list(dict.fromkeys([*_REGISTRY, "powersgd"]))
+    """The registered names (built-in ones first)."""
+    return list(_REGISTRY)
 
 
 def get_compression(name: str) -> CompressionMethod:
-    """The method for dist.grad_compression `name`; a UserError naming the valid ones when there is none."""
-    if name == "powersgd":
-        _load_builtin()
-    method = _REGISTRY.find(name)
-    if method is None:
-        import difflib
-
-        close = difflib.get_close_matches(name, compression_names(), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(compression_names())
-        raise UserError(f"unknown dist.grad_compression '{name}'", hint)
-    return method
+    """The method for dist.grad_compression `name`; a UserError naming the closest valid one when there is none."""
+    return _REGISTRY.get(name, "dist.grad_compression")
 
 
 @before_keys

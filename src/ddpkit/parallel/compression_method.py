@@ -1,6 +1,7 @@
 """`CompressionMethod`: what one dist.grad_compression value is (its hook and the checkpoint state the hook
-owns) and PowerSGD's config keys. Its own module so that a method's module (powersgd.py) and the registry (compression.py) both import it
-and neither imports the other at its top. Imports no torch."""
+owns), and the built-in methods (`BUILTIN`: none, fp16, bf16, PowerSGD with its config keys), which the registry
+(compression.py) loads. Imports no torch: each hook imports it when it is registered on a DDP module (PowerSGD's
+from powersgd.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,37 @@ class CompressionMethod:
     keys: type | None = None
 
 
+def _fp16(ddp: Any, options: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def _bf16(ddp: Any, options: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def _powersgd(ddp: Any, options: Any) -> Any:
+    from ddpkit.parallel.powersgd import register
+
+    return register(ddp, options)
+
+
+def _powersgd_restore(saved: list[dict], rank: int, world_size: int) -> tuple[dict, str | None]:
+    """This rank's saved state; on another world size the shared part only (the error feedback of ranks that no
+    longer match starts again from zero)."""
+    if len(saved) == world_size:
+        return saved[rank], None
+    shared = dict(saved[0])
+    shared["params"] = {n: {k: v for k, v in p.items() if k != "error"} for n, p in shared["params"].items()}
+    return (
+        shared,
+        f"PowerSGD's error feedback was saved on {len(saved)} ranks, not {world_size}: it restarts from zero",
+    )
+
+
 @dataclass
 class PowerSGDKeys:
     """PowerSGD's low-rank approximation."""
@@ -45,3 +77,19 @@ class PowerSGDKeys:
     powersgd_warmup_steps: int = opt(
         10, "optimizer steps of exact all-reduce before PowerSGD starts compressing (at least 2)", ge=2
     )
+
+
+BUILTIN = (
+    CompressionMethod("none", "exact all-reduce, no hook", register=lambda ddp, o: None),
+    CompressionMethod("fp16", "gradients sent as float16 (half the bytes)", register=_fp16),
+    CompressionMethod("bf16", "gradients sent as bfloat16 (half the bytes)", register=_bf16),
+    CompressionMethod(
+        "powersgd",
+        "a low-rank approximation of each gradient matrix, with error feedback",
+        register=_powersgd,
+        state_dict=lambda hook: hook.state_dict(),
+        load_state_dict=lambda hook, saved, device: hook.load_state_dict(saved, device),
+        restore=_powersgd_restore,
+        keys=PowerSGDKeys,
+    ),
+)

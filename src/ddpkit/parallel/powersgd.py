@@ -8,8 +8,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpkit.parallel.compression_method import CompressionMethod, PowerSGDKeys
-
 
 def _plan(state: Any, shapes: list[torch.Size]) -> list[tuple[int, int, int] | None]:
     """For each gradient of a bucket, in order: (n, m, rank) of the matrix PowerSGD compresses, or None when it
@@ -156,7 +154,8 @@ class PowerSGDHook:
         self.pool = {n: {k: v.to(device) for k, v in piece.items()} for n, piece in saved["params"].items()}
 
 
-def _register(ddp: torch.nn.Module, options: Any) -> PowerSGDHook:
+def register(ddp: torch.nn.Module, options: Any) -> PowerSGDHook:
+    """PowerSGD's hook on `ddp` (compression_method.POWERSGD's `register`), with error feedback and warm start."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     state = powerSGD_hook.PowerSGDState(
@@ -171,27 +170,3 @@ def _register(ddp: torch.nn.Module, options: Any) -> PowerSGDHook:
     hook = PowerSGDHook(state, {id(p): n for n, p in ddp.module.named_parameters()})
     ddp.register_comm_hook(state, hook.hook)
     return hook
-
-
-def _restore(saved: list[dict], rank: int, world_size: int) -> tuple[dict, str | None]:
-    """This rank's saved state; on another world size the shared part only (the error feedback of ranks that no
-    longer match starts again from zero)."""
-    if len(saved) == world_size:
-        return saved[rank], None
-    shared = dict(saved[0])
-    shared["params"] = {n: {k: v for k, v in p.items() if k != "error"} for n, p in shared["params"].items()}
-    return (
-        shared,
-        f"PowerSGD's error feedback was saved on {len(saved)} ranks, not {world_size}: it restarts from zero",
-    )
-
-
-METHOD = CompressionMethod(
-    "powersgd",
-    "a low-rank approximation of each gradient matrix, with error feedback",
-    register=_register,
-    state_dict=lambda hook: hook.state_dict(),
-    load_state_dict=lambda hook, saved, device: hook.load_state_dict(saved, device),
-    restore=_restore,
-    keys=PowerSGDKeys,
-)

@@ -151,16 +151,8 @@ declare_values("dist.strategy", _described)
 
 
 def get_strategy(name: str, key: str = "dist.strategy") -> StrategyEntry:
-    """The entry for strategy `name`; a UserError naming the valid ones when there is none."""
-    entry = _REGISTRY.find(name)
-    if entry is None:
-        import difflib
-
-        names = ["auto", *_REGISTRY]
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "choose one of " + ", ".join(names)
-        raise UserError(f"unknown {key} '{name}'", hint)
-    return entry
+    """The entry for strategy `name`; a UserError naming the closest valid one when there is none."""
+    return _REGISTRY.get(name, key, also=("auto",))
 
 
 @check_with

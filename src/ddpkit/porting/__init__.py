@@ -80,7 +80,6 @@ def _wrapped(model: nn.Module) -> bool:
 
 def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
     """(layout, mesh) of prepare(tp=...): the mesh only when there is a model to split."""
-
     if tp_plan is not None and tp == 1:
         raise UserError("ddpkit.prepare got a tp_plan but tp=1", "pass tp=2 (or more) with the plan")
     try:
@@ -96,7 +95,6 @@ def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
 
 def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
     """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
-
     if not pp_split or loss_fn is None:
         raise UserError(
             f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",

@@ -51,7 +51,6 @@ def _check_plain(value: Any, where: str) -> None:
 
 def _strategy(model: nn.Module, optimizer: Any):
     """The Strategy that knows how to read and write this (prepared) model's and optimizer's full state."""
-
     return strategy_of(model, optimizer, current() or init_distributed())
 
 

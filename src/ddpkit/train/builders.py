@@ -111,7 +111,6 @@ def load_weights(
 ) -> None:
     """A checkpoint's model (and optimizer) state into `wrapped` (a .pt file's entries, or a sharded folder's
     tensors read by every rank); one UserError when it does not fit. Collective."""
-
     try:
         if is_sharded(path):
             strategy.load_sharded(wrapped, optimizer, path, state)

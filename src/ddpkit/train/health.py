@@ -158,7 +158,6 @@ runtime.BEFORE_SHUTDOWN.append(stop_heartbeat)
 @contextlib.contextmanager
 def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) -> Iterator[None]:
     """Turn a failed collective into a WorkerFailure naming the rank(s) that fell behind and the step."""
-
     try:
         yield
     except (RuntimeError, OSError) as e:

@@ -106,7 +106,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def largest_peak_memory(device: torch.device) -> int:
     """The largest peak memory of the ranks (collective when a process group runs)."""
-
     mine = peak_memory_bytes(device)
     return max(all_gather_object(mine)) if is_dist() else mine
 

@@ -81,7 +81,6 @@ class RunningSums:
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every epoch line of out_dir/metrics.jsonl (a torn last line, foreign or damaged lines skipped)."""
-
     try:
         return read_lines(Path(out_dir) / "metrics.jsonl").rows
     except (OSError, ValueError):
@@ -100,7 +99,6 @@ def silence_stdout() -> None:
 
 def append_own(path: Path) -> TextIO:
     """Open one of ddpkit's own text files for appending, never through a symlink (atomicio.open_own)."""
-
     return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 

@@ -41,7 +41,6 @@ def _raise_agreed(err: tuple[str, str | None] | None, is_main: bool) -> None:
 
 def decided_by_main(fn: Callable[[], T], is_main: bool) -> T:
     """Rank 0 runs fn (collective): every rank gets its result, or raises the UserError it raised."""
-
     result, err = None, None
     if is_main:
         try:
@@ -57,7 +56,6 @@ def decided_by_main(fn: Callable[[], T], is_main: bool) -> T:
 
 def checked_on_every_rank(fn: Callable[[], T], is_main: bool) -> T:
     """Every rank runs fn (collective); a UserError on any rank (the lowest one's) is raised on every rank."""
-
     result, err = None, None
     try:
         result = fn()
@@ -181,7 +179,6 @@ class Earlier:
 
 def inspect(out_dir: str | os.PathLike) -> Earlier:
     """What out_dir holds of an earlier run (reads only)."""
-
     out = Path(out_dir)
     files = tuple(n for n in RUN_FILES if (out / n).exists())
     ckpt_dir = out / "checkpoints"

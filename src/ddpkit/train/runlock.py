@@ -94,7 +94,6 @@ MAX_LOCK_BYTES = 4096  # what a holder writes is about 100 bytes
 
 def _open_lock(path: Path) -> int:
     """The lock file, opened read-write without following a symlink; UserError when it is not ddpkit's."""
-
     try:
         fd = open_own(path, os.O_RDWR | os.O_CREAT, 0o644)
     except NotOwnFile as e:

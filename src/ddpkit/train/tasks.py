@@ -178,7 +178,6 @@ def evaluate(
 
     `counts`: false on the ranks whose sums another rank of their dp replica already holds (tensor-parallel
     peers): they run every forward but add nothing."""
-
     task = task or Classification(criterion)
     was_training = model.training
     model.eval()

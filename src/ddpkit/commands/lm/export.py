@@ -14,7 +14,6 @@ from ddpkit.models import family_of_module
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-
     p = CommandParser(prog="ddpkit export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a .pt / .dcp checkpoint or a run's out_dir")
     p.add_argument("--to", required=True, choices=["hf"], help="the format to write: hf (Hugging Face)")

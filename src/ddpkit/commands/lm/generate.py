@@ -98,7 +98,6 @@ def sample(
 
 def parser():
     """The command's own flags (the docs' lines are parsed with it too)."""
-
     p = CommandParser(prog="ddpkit generate", description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run's out_dir, or a .pt / .dcp checkpoint")
     p.add_argument("--prompt", required=True, help="the text to continue")

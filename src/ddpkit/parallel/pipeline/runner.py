@@ -350,5 +350,4 @@ def _pieces(x: torch.Tensor, y: torch.Tensor, size: int | None):
 def full_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """The full model's state dict (full-model names, every stage's entries, CPU tensors) on global rank 0, an
     empty dict elsewhere. Collective over all ranks."""
-
     return stage_state.model_state(runner.stages)

@@ -96,7 +96,6 @@ def load_state(stages: list[nn.Module], optimizer: Any, model_sd: dict, optim_sd
 
 def sharded_state(stages: list[nn.Module], optimizer: Any) -> tuple[dict[str, torch.Tensor], dict]:
     """(this rank's tensors for a DCP folder, the non-tensor optimizer entries with every rank's groups)."""
-
     tensors = {MODEL + k: v for stage in stages for k, v in stage.state_dict().items()}
     if optimizer is None:
         return tensors, {}
@@ -115,7 +114,6 @@ def sharded_state(stages: list[nn.Module], optimizer: Any) -> tuple[dict[str, to
 
 def load_sharded(path: str | os.PathLike, stages: list[nn.Module], optimizer: Any, side: dict) -> None:
     """A DCP folder written under any layout into this rank's stages (each reads the parts it holds)."""
-
     template = {MODEL + k: v for stage in stages for k, v in stage.state_dict().items()}
     _dcp_load(Path(path), template)
     for stage in stages:
