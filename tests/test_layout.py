@@ -171,12 +171,12 @@ def test_tests_mirror_the_package_and_import_helpers_from_conftest_only():
 
 def test_parallel_train_and_the_weight_formats_name_no_model_family():
     # what a model needs for tp, pp and activation checkpointing is its family's (ModelFamily), next to the model;
-    # so are its converters to other weight formats (ModelFamily.hf: models/hf.py reads and writes the folder)
+    # so are its converters to other weight formats (ModelFamily.hf: models/hf/ reads and writes the folder)
     names = re.compile(r"\b(gpt|llama|resnet|vgg|vit|timm)", re.I)
     files = [p for folder in ("parallel", "train") for p in sorted((SRC / folder).rglob("*.py"))]
     named = [
         f"{p.relative_to(SRC).as_posix()}:{i}: {line.strip()}"
-        for p in [*files, SRC / "models" / "hf.py"]
+        for p in [*files, *sorted((SRC / "models" / "hf").glob("*.py"))]
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if names.search(line)
     ]
@@ -364,7 +364,6 @@ DEFERRED: dict[str, str] = {
     "ddpkit.cli -> ddpkit.train.metrics": "only when stdout's reader went away (torch)",
     "ddpkit.commands.bench -> ddpkit.config.safe_yaml": "bench reads the user's config file only when given one",
     "ddpkit.commands.lm.export -> ddpkit.checkpoint": "`ddpkit export --help` imports no torch",
-    "ddpkit.commands.lm.export -> ddpkit.models.hf": "`ddpkit export --help` imports no torch",
     "ddpkit.commands.lm.export -> ddpkit.models.loading": "`ddpkit export --help` imports no torch",
     "ddpkit.commands.run -> ddpkit.distributed.runtime": "a rank of `ddpkit run` execs the script without torch",
     "ddpkit.commands.train -> ddpkit.checkpoint": _TORCH_FREE_CLI,

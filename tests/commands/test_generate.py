@@ -255,7 +255,7 @@ def test_init_from_refuses_a_folder_of_another_shape_or_kind_in_one_line(tmp_pat
         ([f"model.init_from={tmp_path}"], "is not a Hugging Face folder"),
         (
             ["model.arch=mlp", "data.dataset=digits", f"model.init_from={folder}"],
-            "needs model.arch=gpt or llama",
+            "model.arch=mlp but model.init_from .* has model_type='gpt2'",
         ),
     ):
         with pytest.raises(UserError, match=fragment):

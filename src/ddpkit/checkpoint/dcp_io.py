@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
+# Folders of a model's tensors in another format, read through a StorageReader of their own so that every
+# layout's sharded load reads them as it reads a DCP folder: (is_one(folder), reader(folder)). A Hugging Face
+# folder's is declared by models/hf when it is imported (as a family declares its config keys).
+FOREIGN: list[tuple[Callable[[Path], bool], Callable[[Path], Any]]] = []
+
+
+def declare_foreign(is_one: Callable[[Path], bool], reader: Callable[[Path], Any]) -> None:
+    if (is_one, reader) not in FOREIGN:
+        FOREIGN.append((is_one, reader))
+
+
+def reader_for(folder: str | os.PathLike) -> Any:
+    """The StorageReader of `folder`: a declared foreign folder's, else SafeReader."""
+    found = next((make for is_one, make in FOREIGN if is_one(Path(folder))), None)
+    return found(Path(folder)) if found is not None else SafeReader(folder)
+
+
 def read_metadata(folder: str | os.PathLike):
     """The DCP Metadata of `folder`, read safely; UserError when it is missing, damaged or holds other objects."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    if any(is_one(Path(folder)) for is_one, _ in FOREIGN):
+        return reader_for(folder).read_metadata()
     path = Path(folder) / METADATA
     try:
         with os.fdopen(open_regular(path), "rb") as fh:

@@ -159,7 +159,7 @@ def _dcp_load(path: Path, template: dict[str, torch.Tensor]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 template,
-                storage_reader=dcp_io.SafeReader(path),
+                storage_reader=dcp_io.reader_for(path),
                 planner=dcp_io.TensorsOnlyPlanner(),
                 no_dist=_no_dist(),
             )
@@ -232,14 +232,20 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: Any, side: dict)
         sd_mod.load_optimizer(module, optimizer, _name_keyed(tensors, side, names), full=True)
 
 
-def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state of DCP folder `path` (names to full tensors), read in this process alone (as
-    torch.load reads a .pt file's `model`); collective when a process group exists."""
+def model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The full shape of each model tensor of DCP folder `path`, from its metadata (no tensor read)."""
+    entries = dcp_io.tensor_entries(dcp_io.read_metadata(path))
+    return {k[len(MODEL) :]: tuple(e.size) for k, e in entries.items() if k.startswith(MODEL)}
+
+
+def read_model(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full model state of DCP folder `path` (names to full tensors; only `names` when given), read in this
+    process alone (as torch.load reads a .pt file's `model`); collective when a process group exists."""
     md = dcp_io.read_metadata(path)
     template = {
         k: torch.empty(e.size, dtype=e.properties.dtype)
         for k, e in dcp_io.tensor_entries(md).items()
-        if k.startswith(MODEL)
+        if k.startswith(MODEL) and (names is None or k[len(MODEL) :] in names)
     }
     try:
         _dcp_load(Path(path), template)
@@ -248,3 +254,9 @@ def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"checkpoint '{path}': {e}", "give another checkpoint of the run (such as an epoch_NNNN.dcp)"
         ) from None
     return {k[len(MODEL) :]: v for k, v in template.items()}
+
+
+def read_tensor(path: str | os.PathLike, name: str) -> torch.Tensor:
+    """One model tensor of DCP folder `path`, whole: only its chunks are read (export streams a checkpoint
+    tensor by tensor)."""
+    return read_model(path, [name])[name]

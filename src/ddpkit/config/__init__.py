@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ddpkit.config.declared import run_before_keys, run_checks, section_class
+from ddpkit.config.declared import run_before_keys, run_checks, run_defaults, section_class
 from ddpkit.config.keys import check_keys, flatten, override_value, parse_overrides
 from ddpkit.config.reference import describe_keys
-from ddpkit.config.schema import check_value, shown
+from ddpkit.config.schema import check_value, shown, yaml_text
 from ddpkit.config.sections import (
     MAX_TIMEOUT_S,
     CheckpointConfig,
@@ -69,9 +69,18 @@ def load_config(
     specs = key_specs()
     merged: dict[str, Any] = {k: v for k, v in from_base.items() if k in specs}
     check_keys([(k, f"in {shown(file)}") for k in from_file] + [(k, "on the command line") for k in over])
-    merged.update(from_file)
-    merged.update({k: override_value(specs[k], v) for k, v in over.items()})
+    given = {**from_file, **{k: override_value(specs[k], v) for k, v in over.items()}}
+    merged.update(given)
+    found = run_defaults(given)  # the defaults that replace the schema's: model.init_from's folder's shape
+    specs = key_specs()
+    merged.update({k: v for k, (v, _) in found.items() if k not in merged and k in specs})
     values = {k: check_value(spec, merged.get(k, spec.default)) for k, spec in specs.items()}
+    for key, (value, where) in found.items():
+        if key in given and key in specs and values[key] != check_value(specs[key], value):
+            raise UserError(
+                f"{key}={yaml_text(values[key])} but {where}",
+                f"leave {key} out to take it from there, or set {key}={yaml_text(value)}",
+            )
     nested: dict[str, Any] = {n: {} for n in section_fields()}
     for key, value in values.items():
         sec, _, name = key.rpartition(".")

@@ -55,6 +55,7 @@ _BUILT: dict[tuple[str, int], type] = {}  # (section, generation) -> its class w
 _SETS: dict[type, KeySet] = {}  # key-set dataclass -> where it went, in declaration order
 _CHECKS: list[Callable[[Any], None]] = []
 _BEFORE: list[Callable[[dict[str, Any]], None]] = []
+_DEFAULTS: list[Callable[[dict[str, Any]], dict[str, tuple[Any, str]]]] = []
 _VALUES: dict[str, Callable[[], list[str]]] = {}  # dotted key -> what its owners' values mean (the reference)
 _state = {"loaded": False, "generation": 0}
 
@@ -189,6 +190,25 @@ def run_before_keys(given: dict[str, Any]) -> None:
     load_declarers()
     for hook in list(_BEFORE):
         hook(given)
+
+
+def defaults_from(
+    hook: Callable[[dict[str, Any]], dict[str, tuple[Any, str]]],
+) -> Callable[[dict[str, Any]], dict[str, tuple[Any, str]]]:
+    """Call `hook(given)` with the dotted keys a config file and the command line give (typed as the schema
+    types them): it returns {dotted key: (value, where it comes from)}, the values those keys take when the
+    config does not set them, in place of the schema's defaults (model.init_from's folder gives the model's
+    shape). A key the config sets to another value is refused, naming both (load_config)."""
+    if hook not in _DEFAULTS:
+        _DEFAULTS.append(hook)
+    return hook
+
+
+def run_defaults(given: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for hook in list(_DEFAULTS):
+        out.update(hook(given))
+    return out
 
 
 def run_checks(cfg: Any) -> None:

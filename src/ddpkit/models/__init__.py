@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.config import Config
-from ddpkit.config.declared import before_keys, declare, declare_values
+from ddpkit.config.declared import before_keys, declare, declare_values, defaults_from
 from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
@@ -133,6 +133,21 @@ def _load_named_family(given: dict[str, Any]) -> None:
         model_family(arch)
 
 
+@defaults_from
+def _init_from_shape(given: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """With model.init_from=DIR, the model's shape keys default to the folder's (model.arch from its model_type,
+    the rest from the config.json values its family's converter reads), each checked by its key's rules."""
+    path = given.get("model.init_from")
+    if not isinstance(path, str) or not path.strip():
+        return {}
+    from ddpkit.models.hf import folder_defaults, is_hf_folder
+
+    if not is_hf_folder(path):
+        return {}  # refused by check_arch, which says what a folder needs
+    found = folder_defaults(path, MODEL_FAMILIES.entries())
+    return {key: (value, f"model.init_from '{path}' has {where}") for key, (value, where) in found.items()}
+
+
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
     """Make the names `family` owns valid model.arch values; asked before the built-in families (unless it gives
     an `order`). Refuses a second family of the same name unless replace=True."""
@@ -178,7 +193,7 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
 
         check_weights_path(pretrained)
     if cfg.model.init_from:
-        from ddpkit.models.hf import is_hf_folder
+        from ddpkit.models.hf import is_hf_folder, open_folder
 
         if family.hf is None:
             readers = " or ".join(f.name for f in MODEL_FAMILIES.values() if f.hf is not None)
@@ -191,6 +206,9 @@ def _check_pretrained(cfg: Config, family: ModelFamily) -> None:
                 f"model.init_from '{cfg.model.init_from}' is not a Hugging Face folder (no config.json in it)",
                 "give a folder written by save_pretrained or by ddpkit export --to hf",
             )
+        open_folder(
+            cfg.model.init_from, MODEL_FAMILIES.entries()
+        )  # every check of its files, values and tensors, before workers start
 
 
 def _check_data_kind(cfg: Config, family: ModelFamily) -> None:

@@ -49,21 +49,96 @@ def images_refused(arch: str, num_classes: int, in_channels: int, image_size: in
     )
 
 
+REQUIRED = "required"  # HFKey.default of a value config.json must give
+
+
+@dataclass(frozen=True)
+class HFKey:
+    """One value of a Hugging Face config.json that a family reads, and the ddpkit config key it is. The value is
+    checked by that key's own rules (its type and bounds, then the family's `check_keys`) before anything is
+    allocated, written back under `name` on export, and with model.init_from it is the key's default."""
+
+    key: str  # the config key it is, e.g. "model.n_kv_head" (or "data.vocab_size")
+    # config.json's name; several: the first one present is read, all are written; "a.b" is b inside object a
+    name: str | tuple[str, ...]
+    default: Any = REQUIRED  # in config.json's terms, when config.json lacks it or gives null
+    # (config.json's value, the key's): e.g. (("gelu_new", "tanh"), ("gelu", "none")); another value is refused
+    values: tuple[tuple[Any, Any], ...] = ()
+    init: bool = (
+        True  # model.init_from takes it as the run's default (False: only read, e.g. a longest context)
+    )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,) if isinstance(self.name, str) else self.name
+
+
+@dataclass(frozen=True)
+class HFFixed:
+    """A config.json value the family's model holds one way only: `name` is absent, null or one of `allowed`
+    (a folder asking for something else is refused, naming `what`)."""
+
+    name: str  # "a.b": b inside object a
+    allowed: tuple[Any, ...]
+    what: str  # what another value would ask for, e.g. "biases in the attention"
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """Where one tensor of the model lies in a Hugging Face folder: the folder's tensor `name`, transposed when
+    `transposed` (a 2-D weight stored (in, out)), and of it the `part`-th of `parts` equal pieces along the
+    model's first dimension (GPT-2's q|k|v side by side). Reading a slice of the model's tensor reads only the
+    matching slice of the file."""
+
+    name: str
+    transposed: bool = False
+    part: int = 0
+    parts: int = 1
+
+
 @dataclass(frozen=True)
 class HFConverter:
-    """A family's Hugging Face weights in and out. models/hf.py reads and writes the folder (config.json and
+    """A family's Hugging Face weights in and out. models/hf/ reads and writes the folder (config.json and
     safetensors) and asks this for what is the family's own: a folder whose config.json says `model_type` becomes
-    the family's model, and the family's model becomes such a folder."""
+    the family's model, and the family's model becomes such a folder.
+
+    Declared (`keys` and `tensors`): the folder's values are checked by the config keys' own rules before
+    anything is allocated, model.init_from takes them as defaults, every tensor of the folder must be one the
+    model uses (`ignored` aside), a sharded layout reads only each rank's slices and export streams tensor by
+    tensor. A converter that declares neither gives the functions instead (`shape`, `to_ours`, `build`,
+    `config`, `to_theirs`): its folder is read whole, still strictly (a tensor `to_ours` never asked for is
+    refused)."""
 
     model_type: str  # config.json's model_type it reads and writes, e.g. "gpt2"
     label: str  # the architecture's name in messages, e.g. "GPT-2"
     # (config.json, folder) -> build's keyword arguments; a UserError for what the family cannot hold
-    shape: Callable[[dict[str, Any], Path], dict[str, Any]]
+    shape: Callable[[dict[str, Any], Path], dict[str, Any]] | None = None
     # (the folder's tensors, shape) -> the model's state dict; a KeyError names a tensor the folder lacks
-    to_ours: Callable[[dict[str, Tensor], dict[str, Any]], dict[str, Tensor]]
-    build: Callable[..., nn.Module]  # build(**shape) -> the model
-    config: Callable[[nn.Module], dict[str, Any]]  # model -> its config.json
-    to_theirs: Callable[[nn.Module], dict[str, Tensor]]  # model -> its tensors under the folder's names
+    to_ours: Callable[[dict[str, Tensor], dict[str, Any]], dict[str, Tensor]] | None = None
+    build: Callable[..., nn.Module] | None = None  # build(**shape) -> the model
+    config: Callable[[nn.Module], dict[str, Any]] | None = None  # model -> its config.json
+    to_theirs: Callable[[nn.Module], dict[str, Tensor]] | None = (
+        None  # model -> tensors under the folder's names
+    )
+    # -- declared: the config.json values it reads (each a config key) and those it holds one way only
+    keys: tuple[HFKey, ...] = ()
+    fixed: tuple[HFFixed, ...] = ()
+    # (config.json, the Config its keys made) -> what else config.json asks that the model cannot hold (a line
+    # naming config.json's keys), or None; e.g. a head_dim that is not hidden_size / num_attention_heads
+    check: Callable[[dict[str, Any], Any], str | None] = lambda raw, cfg: None
+    # (the model's keys: cfg.model, or the model itself, which keeps each model.* key it was built with as an
+    # attribute of that name) -> {the model's tensor name: where it lies in the folder}
+    tensors: Callable[[Any], dict[str, HFTensor]] | None = None
+    # (the model's keys) -> regular expressions of folder tensors that are not weights (old causal-mask buffers)
+    ignored: Callable[[Any], tuple[str, ...]] = lambda m: ()
+    rename: Callable[[str], str] = lambda name: name  # a folder tensor's name as `tensors` writes it
+    # (the model) -> what config.json holds besides the keys on export (architectures, the fixed values)
+    extra: Callable[[Any], dict[str, Any]] = lambda m: {}
+
+    @property
+    def declared(self) -> bool:
+        """Its folder values are config keys and its tensors a table (the checks and sliced reads apply)."""
+        return bool(self.keys) and self.tensors is not None
 
 
 @dataclass(frozen=True)
@@ -115,6 +190,8 @@ class ModelFamily:
     # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
     # format would be one more field like it
     hf: HFConverter | None = None
+    # a language model's: the tensor whose first dimension is the vocabulary (read from a checkpoint's shapes)
+    vocab_tensor: str = "tok_emb.weight"
 
     @property
     def tokens(self) -> bool:

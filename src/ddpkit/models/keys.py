@@ -26,8 +26,9 @@ class TransformerKeys:
     )
     init_from: str | None = opt(
         None,
-        "start from a Hugging Face folder (config.json + model.safetensors, or a sharded index) of the "
-        "architecture model.arch reads; its shape must be this config's",
+        "start from a Hugging Face folder (config.json + model.safetensors, or a sharded index) of an "
+        "architecture a family reads; every model shape key left unset (model.arch, sizes, heads, norm eps, "
+        "rope theta, tied head, data.vocab_size) is its config.json's, and one set otherwise is refused",
     )
 
 

@@ -21,7 +21,7 @@ from ddpkit.data.prefetch import (
 from ddpkit.distributed.collectives import rank_zero_first, seed_everything
 from ddpkit.distributed.runtime import DistContext
 from ddpkit.errors import UserError, first_line
-from ddpkit.models.loading import init_from
+from ddpkit.models.loading import init_sharded
 from ddpkit.parallel.mesh import Layout, build_mesh
 from ddpkit.parallel.mesh.activation import checkpoint_blocks
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
@@ -51,7 +51,8 @@ def make_model(
 ) -> nn.Module:
     """The configured model with the same initial weights on every rank, on ctx.device.
 
-    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm.
+    for_eval: without pretrained weights (a checkpoint's replace them) and without SyncBatchNorm. model.init_from's
+    weights are read once the layout is in place (init_weights), each rank its own slices.
     """
     if for_eval and (cfg.model.pretrained or cfg.model.init_from):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None, init_from=None))
@@ -66,9 +67,13 @@ def make_model(
         vocab_size=spec.vocab_size,
         block_size=spec.block_size,
     )
-    if cfg.model.init_from:
-        init_from(model, cfg.model.init_from, report)
     return prepare_model(model, cfg, ctx.device, distributed=ctx.world_size > 1 and not for_eval)
+
+
+def init_weights(cfg: Config, strategy: Strategy, wrapped: nn.Module, report=None) -> None:
+    """model.init_from's folder into the laid-out model: each rank reads the slices it holds. Collective."""
+    if cfg.model.init_from:
+        init_sharded(strategy, wrapped, cfg.model.init_from, report)
 
 
 def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distributed: bool) -> nn.Module:

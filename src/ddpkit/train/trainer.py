@@ -35,6 +35,7 @@ from ddpkit.models import flops
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.train import curves, optim
 from ddpkit.train.builders import (
+    init_weights,
     load_weights,
     make_autocast,
     make_datasets,
@@ -116,6 +117,7 @@ class Trainer:
             channels_last=cfg.model.channels_last,
         )  # fmt: skip
         self.model, self.strategy, self.wrapped = self.runner.model, self.runner.strategy, self.runner.wrapped
+        init_weights(cfg, self.strategy, self.wrapped, report=self.log.info)  # model.init_from, sliced
         if cfg.model.compile:
             # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
             # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.models.blocks import BlockStack
-from ddpkit.models.family import HFConverter, ModelFamily, images_refused
+from ddpkit.models.family import ModelFamily, images_refused
 from ddpkit.models.flops import decoder_flops
 from ddpkit.models.gpt import hf
 from ddpkit.models.gpt.keys import CARD
@@ -186,7 +186,7 @@ FAMILY = ModelFamily(
     build_lm=_build_gpt,
     module_types=(GPT,),
     **STACK.family_fields(),
-    hf=HFConverter("gpt2", "GPT-2", hf.gpt2_shape, hf.gpt2_to_gpt, GPT, hf.gpt2_config, hf.gpt_to_gpt2),
+    hf=hf.CONVERTER,
     check_keys=check_heads,
     estimate=estimate_of,
     # the learned position embedding costs no multiply (the PaLM estimate leaves it out)

@@ -1,15 +1,13 @@
-"""Hugging Face's Llama (LlamaForCausalLM) in and out of the Llama: its config.json and its tensors' names (models/hf.py
-reads and writes the folder and asks the family's `HFConverter`, made of these)."""
+"""Hugging Face's Llama (LlamaForCausalLM) in and out of the Llama, declared (models/hf/ reads and writes the
+folder and asks the family's `HFConverter`, made of these): which config.json values are which config keys (each
+checked by the key's own rules, each model.init_from's default), the values the Llama holds one way only, and
+where each of its tensors lies in the folder."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from ddpkit.models.hf import need, refuse
+from ddpkit.models.family import HFConverter, HFFixed, HFKey, HFTensor
 
 # LlamaForCausalLM's names are the Llama's one for one: `model.embed_tokens` = `tok_emb`, `model.layers.N.input_layernorm/post_attention_layernorm`
 # = `blocks.N.ln1/ln2`, `self_attn.q/k/v/o_proj` = `attn.wq/wk/wv/wo`, `mlp.gate/up/down_proj` = `mlp.gate/up/down`,
@@ -26,75 +24,76 @@ LLAMA_PARTS = {
     "mlp.down": "mlp.down_proj",
 }
 
+KEYS = (
+    HFKey("data.vocab_size", "vocab_size"),
+    # the longest context RoPE was trained for: a model of any data.block_size reads it (not the run's default)
+    HFKey("data.block_size", "max_position_embeddings", default=2048, init=False),
+    HFKey("model.n_layer", "num_hidden_layers"),
+    HFKey("model.n_head", "num_attention_heads"),
+    HFKey("model.n_embd", "hidden_size"),
+    HFKey("model.n_kv_head", "num_key_value_heads", default=None),
+    HFKey("model.ffn_hidden", "intermediate_size"),
+    HFKey("model.head_dim", "head_dim", default=None),  # null or absent: hidden_size / num_attention_heads
+    HFKey("model.rope_theta", ("rope_parameters.rope_theta", "rope_theta"), default=10000.0),
+    HFKey("model.norm_eps", "rms_norm_eps", default=1e-6),
+    HFKey("model.tie_embeddings", "tie_word_embeddings", default=False),
+)
+ROPE_FIXED = (  # the rotary embedding as the Llama-shaped families hold it: unscaled
+    HFFixed("rope_parameters.rope_type", ("default",), "RoPE scaling"),
+    HFFixed("rope_scaling", ({"rope_type": "default"}, {"type": "default"}), "RoPE scaling"),
+)
+FIXED = (
+    HFFixed("hidden_act", ("silu",), "another activation"),
+    HFFixed("attention_bias", (False,), "biases in the attention"),
+    HFFixed("mlp_bias", (False,), "biases in the MLP"),
+    *ROPE_FIXED,
+)
 
-def llama_shape(cfg: dict, folder: Path) -> dict[str, Any]:
-    """The Llama's constructor arguments for a Llama config.json; UserError for what it cannot hold."""
-    n_embd, n_head = need(cfg, "hidden_size", folder), need(cfg, "num_attention_heads", folder)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-    refuse(
-        [
-            (cfg.get("hidden_act", "silu") != "silu", f"hidden_act={cfg.get('hidden_act')}"),
-            (cfg.get("attention_bias") or cfg.get("mlp_bias"), "biases (attention_bias or mlp_bias)"),
-            (kind != "default", f"RoPE scaling {kind!r}"),
-            (not isinstance(theta, int | float) or theta <= 0, f"rope_theta={theta}"),
-            (cfg.get("head_dim", n_embd // n_head) * n_head != n_embd, f"head_dim={cfg.get('head_dim')}"),
-        ],
-        folder,
-        "Llama",
-    )
-    return {
-        "vocab_size": need(cfg, "vocab_size", folder),
-        "block_size": need(cfg, "max_position_embeddings", folder),
-        "n_layer": need(cfg, "num_hidden_layers", folder),
-        "n_head": n_head,
-        "n_embd": n_embd,
-        "n_kv_head": cfg.get("num_key_value_heads") or n_head,
-        "ffn_hidden": need(cfg, "intermediate_size", folder),
-        "rope_theta": float(theta),
-        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+
+def full_attention_check(raw: dict[str, Any], cfg: Any) -> str | None:
+    """What else config.json asks (Qwen2's and Qwen3's): sliding-window attention in some layers (`layer_types`), which
+    the family does not hold."""
+    types = raw.get("layer_types")
+    if types is not None and (not isinstance(types, list) or set(types) - {"full_attention"}):
+        return f"layer_types={types!r} asks for attention other than full attention in some layers"
+    return None
+
+
+def llama_ignored(m: Any) -> tuple[str, ...]:
+    """Folder tensors that are not weights: RoPE's buffer of old folders; a stored lm_head where the head is tied
+    (transformers ties it to the embedding and ignores it)."""
+    return (r"\.rotary_emb\.inv_freq$", *((r"^lm_head\.weight$",) if m.tie_embeddings else ()))
+
+
+def llama_tensors(m: Any) -> dict[str, HFTensor]:
+    """The Llama's tensors in the folder (`m`: the model's keys, cfg.model or the model itself)."""
+    out = {
+        "tok_emb.weight": HFTensor("model.embed_tokens.weight"),
+        "ln_f.weight": HFTensor("model.norm.weight"),
     }
-
-
-def llama_to_ours(hf: dict[str, torch.Tensor], shape: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = {"tok_emb.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"]}
-    for i in range(shape["n_layer"]):
+    for i in range(m.n_layer):
         for ours, theirs in LLAMA_PARTS.items():
-            out[f"blocks.{i}.{ours}.weight"] = hf[f"model.layers.{i}.{theirs}.weight"]
-    out["head.weight"] = out["tok_emb.weight"] if shape["tie_embeddings"] else hf["lm_head.weight"]
+            out[f"blocks.{i}.{ours}.weight"] = HFTensor(f"model.layers.{i}.{theirs}.weight")
+    out["head.weight"] = HFTensor("model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
     return out
 
 
-def ours_to_llama(model: nn.Module) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
-    out = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["ln_f.weight"]}
-    for i in range(model.n_layer):
-        for ours, theirs in LLAMA_PARTS.items():
-            out[f"model.layers.{i}.{theirs}.weight"] = sd[f"blocks.{i}.{ours}.weight"]
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    return out
-
-
-def llama_config(m: nn.Module) -> dict[str, Any]:
+def llama_extra(m: Any) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "max_position_embeddings": m.block_size,
-        "hidden_size": m.n_embd,
-        "intermediate_size": m.ffn_hidden,
-        "num_hidden_layers": m.n_layer,
-        "num_attention_heads": m.n_head,
-        "num_key_value_heads": m.n_kv_head,
-        "head_dim": m.n_embd // m.n_head,
         "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": {"rope_type": "default"},
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": bool(m.tie_embeddings),
     }
+
+
+CONVERTER = HFConverter(
+    "llama",
+    "Llama",
+    keys=KEYS,
+    fixed=FIXED,
+    tensors=llama_tensors,
+    ignored=llama_ignored,
+    extra=llama_extra,
+)

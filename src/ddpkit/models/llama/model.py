@@ -269,7 +269,7 @@ def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
 
 
 def llama_shaped(
-    card: FamilyCard, model: type[Llama], hf: HFConverter | None, order: int, windowed: bool = False
+    card: FamilyCard, model: type[Llama], converter: HFConverter | None, order: int, windowed: bool = False
 ) -> ModelFamily:
     """The ModelFamily of a Llama-shaped family (the Llama's, Qwen2's, ...): `model` (the Llama or a subclass
     fixing its options) built from the config's keys (model.sliding_window among them when `windowed`), the
@@ -282,7 +282,7 @@ def llama_shaped(
         build_lm=builder(model, windowed),
         module_types=(model,),
         **STACK.family_fields(),
-        hf=hf,
+        hf=converter,
         check_keys=check_keys,
         estimate=estimate_of,
         order=order,
@@ -292,6 +292,6 @@ def llama_shaped(
 FAMILY = llama_shaped(
     CARD,
     Llama,
-    HFConverter("llama", "Llama", hf.llama_shape, hf.llama_to_ours, Llama, hf.llama_config, hf.ours_to_llama),
+    hf.CONVERTER,
     order=300,
 )

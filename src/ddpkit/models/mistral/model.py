@@ -4,6 +4,7 @@ as transformers' MistralForCausalLM; every parallel fact, check and estimate is 
 from __future__ import annotations
 
 from ddpkit.models.llama.model import Llama, llama_shaped
+from ddpkit.models.mistral import hf
 from ddpkit.models.mistral.keys import CARD
 
 
@@ -11,4 +12,4 @@ class Mistral(Llama):
     """The Llama whose attention may slide (`sliding_window`)."""
 
 
-FAMILY = llama_shaped(CARD, Mistral, None, order=330, windowed=True)
+FAMILY = llama_shaped(CARD, Mistral, hf.CONVERTER, order=330, windowed=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.models.llama.model import Llama, llama_shaped
+from ddpkit.models.qwen2 import hf
 from ddpkit.models.qwen2.keys import CARD
 
 
@@ -16,4 +17,4 @@ class Qwen2(Llama):
         super().__init__(*args, qkv_bias=True, **kwargs)
 
 
-FAMILY = llama_shaped(CARD, Qwen2, None, order=310)
+FAMILY = llama_shaped(CARD, Qwen2, hf.CONVERTER, order=310)

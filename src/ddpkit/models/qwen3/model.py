@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.models.llama.model import Llama, llama_shaped
+from ddpkit.models.qwen3 import hf
 from ddpkit.models.qwen3.keys import CARD
 
 
@@ -17,4 +18,4 @@ class Qwen3(Llama):
         super().__init__(*args, qk_norm=True, **kwargs)
 
 
-FAMILY = llama_shaped(CARD, Qwen3, None, order=320)
+FAMILY = llama_shaped(CARD, Qwen3, hf.CONVERTER, order=320)
