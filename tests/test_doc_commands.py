@@ -160,6 +160,16 @@ COVERED = {
         "tests/system/test_multinode.py::test_the_users_interface_wins"
     ),
     "make test": "tests/test_doc_commands.py::test_make_test_runs_this_suite",
+    # docs/porting.md's transformers Llama, each port of tests/scripts/hf_llama.py against the unported script
+    **dict.fromkeys(
+        (
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port fsdp",
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port tp",
+            "ddpkit run --nproc-per-node 2 hf_llama.py --port pp",
+            "ddpkit run --nproc-per-node 4 --oversubscribe hf_llama.py --port fsdp-tp",
+        ),
+        "tests/porting/test_hf_model.py::test_a_transformers_llama_trains_under_every_layout_as_its_unported_script",
+    ),
     # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
     "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
         "tests/train/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
@@ -228,6 +238,7 @@ PLACEHOLDERS = {
     "cfg.yaml": "configs/digits.yaml",
     "train.py": "tests/scripts/torchrun_ddp.py",
     "torchrun_ddp.py": "tests/scripts/torchrun_ddp.py",  # porting.md: its lines run in tests/scripts/
+    "hf_llama.py": "tests/scripts/hf_llama.py",  # porting.md: its lines run in tests/scripts/ too
     "stuck.py": "tests/scripts/stuck_rank.py",  # reliability.md: the straggler test runs it as stuck.py
     "R": "0",
     "$RANK": "1",

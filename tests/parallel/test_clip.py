@@ -63,8 +63,12 @@ def test_the_norm_and_the_clipped_gradients_are_one_process_ones_under_each_layo
         for layout in layouts:
             got_norm, got = results[layout]
             assert got_norm == pytest.approx(norm, rel=1e-5), (rank, layout)
+            # tp sums the row-split Linear's halves in another order, and the LayerNorm over 4 features after it
+            # magnifies that rounding (up to 2e-7 on gradients of 1e-3, measured); a clip that missed a part of
+            # the norm would be off by far more (the coefficient is below 1/4)
+            rtol, atol = (1e-4, 1e-6) if layout == "tp" else (1e-5, 1e-7)
             for a, b in zip(got, grads, strict=True):
-                assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (rank, layout, (a - b).abs().max())
+                assert torch.allclose(a, b, rtol=rtol, atol=atol), (rank, layout, (a - b).abs().max())
 
 
 def test_torch_own_clip_fails_where_ddpkits_is_needed():

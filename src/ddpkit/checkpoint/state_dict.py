@@ -190,6 +190,13 @@ def load_optimizer(module: nn.Module, optimizer: Any, optim_sd: dict, full: bool
         optimizer.load_state_dict(optim_sd)
     elif _is_zero(optimizer):
         optimizer.load_state_dict(_ids_from_named(module, optimizer, optim_sd))
+    elif not optim_sd[
+        STATE
+    ]:  # no state of any parameter (SGD without momentum): torch's loader, which places
+        # the state by its tensors' device, fails on none; the groups' settings are all there is
+        own = optimizer.state_dict()[GROUPS]
+        groups = [{**saved, PARAMS: g[PARAMS]} for g, saved in zip(own, optim_sd[GROUPS], strict=True)]
+        optimizer.load_state_dict({STATE: {}, GROUPS: groups})
     else:
         set_optimizer_state_dict(module, optimizer, optim_sd, options=_options(full=full))
 

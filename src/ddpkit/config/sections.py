@@ -85,14 +85,16 @@ class DataConfig(Section):
     vocab_size: int | None = opt(
         None,
         "bpe: the most tokens to train (at least 256, at most 1048576; null: 1024; a short text may give fewer); "
-        "tokens: every id is below it (null: 1 + the largest id of the files)",
+        "tokens: every id is below it (null: the vocab_size of nanoGPT's meta.pkl beside the files, else 1 + the "
+        "largest id of the files)",
         gt=0,
         le=2**32,
     )
     tokenizer_file: str | None = opt(
         None,
         "a tokenizer.json (Hugging Face tokenizers) to use instead of training one (data.tokenizer=bpe), or, "
-        "with data.dataset=tokens, the one that made the files (for ddpkit generate)",
+        "with data.dataset=tokens, the one that made the files (for ddpkit generate; null: nanoGPT's meta.pkl "
+        "beside train.bin when there is one)",
     )
     token_dtype: Literal["auto", "uint16", "uint32"] = opt(
         "auto",

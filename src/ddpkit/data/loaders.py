@@ -121,7 +121,12 @@ class DistributedLoader:
         # seed) instead of generators of its own: prepare() in one process, where the script must stay the same
         # random stream as before it was ported.
         self.sampler.draw_seed = plain_rng
+        if (
+            plain_rng
+        ):  # the order comes from the DataLoader's generator= as RandomSampler takes it, if it has one
+            self.sampler.generator = loader_kwargs.get("generator")
         self._user_generator = plain_rng or loader_kwargs.get("generator") is not None
+        self._pass_rng: torch.Tensor | None = None  # the user's generator's state when this pass began
         kwargs = _loader_kwargs(loader_kwargs, dataset)
         if not plain_rng:
             kwargs.setdefault("generator", self._generator(0))
@@ -170,6 +175,9 @@ class DistributedLoader:
         """{"epoch", "consumed"}: where the next sample comes from (mid-pass: the current position; after a
         pass broken early: where it stopped)."""
         drawn = {"drawn": self.sampler.drawn} if self.sampler.draw_seed else {}
+        g = self.sampler.generator if self.sampler.draw_seed else None
+        if g is not None:  # restored, the pass in progress draws its seeds and order again
+            drawn["generator"] = self._pass_rng if self._running is not None else g.get_state()
         if self._running is not None:
             epoch, start = self._running
             return {"epoch": epoch, "consumed": self._consumed(start), **drawn}
@@ -183,6 +191,8 @@ class DistributedLoader:
         self.set_start(int(state.get("consumed", 0)))
         if state.get("drawn") is not None:
             self.sampler.drawn = int(state["drawn"])
+        if state.get("generator") is not None and self.sampler.generator is not None:
+            self.sampler.generator.set_state(state["generator"])
 
     def __iter__(self) -> Iterator[Any]:
         s = self.sampler
@@ -191,6 +201,8 @@ class DistributedLoader:
             # Worker seeds are drawn from this generator when workers start (persistent workers: once).
             self.loader.generator = self._generator(epoch)
         self._running, self._done, self._stopped = (epoch, start), 0, None
+        if self.sampler.draw_seed and self.sampler.generator is not None:
+            self._pass_rng = self.sampler.generator.get_state()
         total = len(self)
         batches = self.loader if self.move is None else self.move(self.loader)
         try:
@@ -293,14 +305,17 @@ def convert_loader(
     world_size: int | None = None,
     role: str | None = None,
     plain_rng: bool = False,
+    split: bool = False,
 ):
     """A user's DataLoader re-made as a distributed one that keeps all its other arguments.
 
     shuffle=True (a RandomSampler) -> a DistributedLoader (training: the global order, set_epoch automatic);
     shuffle=False (a SequentialSampler) -> an exact evaluation loader (every sample once over all ranks), or,
     with drop_last=True, an unshuffled DistributedLoader. `role` ("train"/"eval") overrides that guess;
-    `plain_rng`: as DistributedLoader's. Any other sampler, a batch_sampler of the user's own
-    or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
+    `plain_rng`: as DistributedLoader's. `split` (a training loader): its batch_size is the global batch, each of
+    the world_size ranks reading batch_size / world_size of every batch in the one-process order (plain_rng), so
+    the ranks together read the batches the DataLoader itself gives. Any other sampler, a batch_sampler of the
+    user's own or an IterableDataset cannot be sharded for them: a UserError says what to do instead.
     """
     if isinstance(loader, DistributedLoader):
         return loader
@@ -313,9 +328,19 @@ def convert_loader(
     if role is None:
         role = "train" if shuffle or loader.drop_last else "eval"
     if role == "train":
+        world = get_world_size() if world_size is None else world_size
+        batch = loader.batch_size
+        if split and world > 1:
+            if batch % world:
+                raise UserError(
+                    f"ddpkit.prepare(split_batches=True) cuts each batch of {batch} samples over {world} data-parallel "
+                    "ranks, which does not divide it",
+                    f"use a batch_size that is a multiple of {world}, or drop split_batches",
+                )
+            batch, plain_rng = batch // world, True
         return DistributedLoader(
             loader.dataset,
-            loader.batch_size,
+            batch,
             shuffle=shuffle,
             seed=seed,
             drop_last=loader.drop_last,

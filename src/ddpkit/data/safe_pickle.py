@@ -31,10 +31,13 @@ UnpicklingError = pickle.UnpicklingError
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that refuses every global outside ALLOWED (so a file cannot run code)."""
+    """pickle.Unpickler that refuses every global outside `allowed` (ALLOWED unless told), so a file cannot run
+    code."""
+
+    allowed: frozenset[tuple[str, str]] = ALLOWED
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED:
+        if (module, name) in self.allowed:
             return super().find_class(module, name)
         where = getattr(getattr(self, "_source", None), "name", "a data file")
         raise pickle.UnpicklingError(
@@ -43,16 +46,18 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load(file: BinaryIO, **kwargs: Any) -> Any:
-    """pickle.load without code: see RestrictedUnpickler."""
+def load(file: BinaryIO, allowed: frozenset[tuple[str, str]] = ALLOWED, **kwargs: Any) -> Any:
+    """pickle.load without code: see RestrictedUnpickler; `allowed`: the globals it may name (frozenset():
+    none, plain values only)."""
     unpickler = RestrictedUnpickler(file, **kwargs)
+    unpickler.allowed = allowed
     unpickler._source = file  # type: ignore[attr-defined]
     return unpickler.load()
 
 
-def loads(data: bytes, **kwargs: Any) -> Any:
+def loads(data: bytes, allowed: frozenset[tuple[str, str]] = ALLOWED, **kwargs: Any) -> Any:
     """pickle.loads without code."""
-    return load(io.BytesIO(data), **kwargs)
+    return load(io.BytesIO(data), allowed, **kwargs)
 
 
 class _SafePickleModule:

@@ -59,6 +59,12 @@ class GlobalOrderSampler(Sampler[int]):
         # process under prepare(): the same random stream as the user's own DataLoader); `drawn`: this pass's.
         self.draw_seed = False
         self.drawn: int | None = None
+        # with draw_seed: the user's DataLoader's generator=, drawn from as RandomSampler draws (the order is
+        # randperm from it, and a second randperm once the pass is used up); its permutation for the pass
+        self.generator: torch.Generator | None = None
+        self.perm: torch.Tensor | None = None
+        # agree(fingerprint of this pass's order): the ranks' check that they drew one order (prepare())
+        self.agree: Callable[[int], None] | None = None
         # a check before each pass (prepare()'s roles); True: this pass evaluates, every sample once
         self.on_iter: Callable[[], bool | None] | None = None
         need = self.global_batch * self.grad_accum_steps if self.drop_last else self.world_size
@@ -121,7 +127,9 @@ class GlobalOrderSampler(Sampler[int]):
 
     def global_order(self) -> torch.Tensor:
         """The whole epoch's order (padded when drop_last=False), identical on every rank and world size."""
-        if self.shuffle:
+        if self.shuffle and self.perm is not None:
+            order = self.perm
+        elif self.shuffle:
             seed = self.drawn if self.draw_seed and self.drawn is not None else self.seed + self.epoch
             g = torch.Generator().manual_seed(seed)
             order = torch.randperm(self.dataset_len, generator=g)
@@ -143,12 +151,34 @@ class GlobalOrderSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         once = bool(self.on_iter()) if self.on_iter is not None else False
-        resuming = self.start and self.start_epoch == self.epoch and self.drawn is not None
-        if self.draw_seed and self.shuffle and not resuming:
-            self.drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._draw()
         if once:  # an evaluation pass (the check said so): every sample once over the ranks, no padding
             return iter(self.global_order()[: self.dataset_len][self.rank :: self.world_size].tolist())
+        if self.perm is not None:
+            return self._then_draw_again(self.indices())
         return iter(self.indices())
+
+    def _draw(self) -> None:
+        """This pass's order drawn as a plain DataLoader's RandomSampler draws it (draw_seed): a seed from torch's
+        global stream (kept across a mid-epoch resume), or a permutation from the user's generator (restored
+        with the loader's state, so a resumed pass draws it again)."""
+        if not (self.draw_seed and self.shuffle):
+            return
+        if self.generator is not None:
+            self.perm = torch.randperm(self.dataset_len, generator=self.generator)
+            mark = int((self.perm[:64] * torch.arange(1, 65)[: len(self.perm[:64])]).sum())
+        else:
+            if not (self.start and self.start_epoch == self.epoch and self.drawn is not None):
+                self.drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+            mark = self.drawn
+        if self.agree is not None:
+            self.agree(mark)
+
+    def _then_draw_again(self, indices: list[int]) -> Iterator[int]:
+        yield from indices
+        # RandomSampler yields a second, empty slice of a permutation once the first is used up: drawn too, so
+        # the generator reaches the next pass where the user's own loader leaves it
+        torch.randperm(self.dataset_len, generator=self.generator)
 
     def __len__(self) -> int:
         if self.drop_last:

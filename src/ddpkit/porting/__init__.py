@@ -24,11 +24,13 @@ from ddpkit.errors import UserError
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.optimizer import rebuild_optimizer
+from ddpkit.parallel.pipeline.plan import stages_per_rank
 from ddpkit.parallel.pipeline.user_model import PipelineModel
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
-from ddpkit.porting.roles import prepare_loader, remember_model, roles_for
+from ddpkit.porting import hf_model
+from ddpkit.porting.roles import agreed, prepare_loader, remember_model, roles_for
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -93,33 +95,41 @@ def _layout(ctx: DistContext, tp: int, tp_plan: dict | None, has_model: bool):
     return layout, build_mesh(layout, ctx.device.type)
 
 
-def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed) -> Any:
+def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, strategy, seed, split) -> Any:
     """prepare() for pp > 1: the model as a PipelineModel, loaders sharded over the data-parallel replicas."""
-    if not pp_split or loss_fn is None:
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    hf = len(models) == 1 and hf_model.is_hf_model(models[0])  # cut where its own pipeline plan says
+    if (not pp_split and not hf) or loss_fn is None:
         raise UserError(
-            f"ddpkit.prepare(pp={pp}) needs pp_split=[module names] and loss_fn",
-            "e.g. prepare(model, opt, loader, pp=2, pp_split=['layers.2'], loss_fn=F.cross_entropy)",
+            f"ddpkit.prepare(pp={pp}) needs " + ("loss_fn" if hf else "pp_split=[module names] and loss_fn"),
+            "e.g. loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())"
+            if hf
+            else "e.g. prepare(model, opt, loader, pp=2, pp_split=['layers.2'], loss_fn=F.cross_entropy)",
         )
     if strategy not in ("auto", picked("several")):  # the pipeline replicates each stage with DDP
         raise UserError(
             f"ddpkit.prepare(pp={pp}) runs DDP over the data-parallel replicas, not strategy='{strategy}'",
             "drop the strategy argument",
         )
-    models = [o for o in objects if isinstance(o, nn.Module)]
     if len(models) != 1:
         raise UserError(
             f"ddpkit.prepare(pp={pp}) takes exactly one model", "pass the model to cut into stages"
         )
     ctx = _context()
+    model = models[0].to(ctx.device)
+    if hf:
+        pp_split = pp_split or hf_model.split_names(model, pp * stages_per_rank(schedule))
     piped = PipelineModel(
-        models[0].to(ctx.device),
+        model,
         pp_split,
         pp=pp,
         loss_fn=loss_fn,
         schedule=schedule,
         microbatches=microbatches,
         device=ctx.device,
+        cut=hf_model.pipeline_cut(model, pp_split) if hf else None,
     )
+    piped.advice = None if hf else hf_model.advice(model)
     rank, world = piped.data_rank
     ready = []
     for obj in objects:
@@ -127,7 +137,10 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
             ready.append(piped)
         elif isinstance(obj, DataLoader | DistributedLoader):
             # one replica reads the user's own order (torch's global random stream), as one process does
-            ready.append(convert_loader(obj, seed=seed, rank=rank, world_size=world, plain_rng=world == 1))
+            made = convert_loader(
+                obj, seed=seed, rank=rank, world_size=world, plain_rng=world == 1, split=split
+            )
+            ready.append(agreed(made))
         else:
             ready.append(obj)
     return ready[0] if len(ready) == 1 else ready
@@ -147,35 +160,30 @@ def prepare(
     loss_fn: Any = None,
     pp_schedule: str = "1f1b",
     pp_microbatches: int | None = None,
+    split_batches: bool = False,
 ) -> Any:
     """Each object ready for this process, returned in the order given (one object: returned alone).
 
     nn.Module: moved to this rank's device, SyncBatchNorm if `sync_bn` and several processes, wrapped for
     `strategy` (auto: ddp with several processes, as is with one; single, ddp, zero1, fsdp). Optimizer: kept
     (re-made over the sharded parameters for zero1/fsdp). DataLoader: re-made as a distributed loader keeping its
-    other arguments (shuffled -> training, unshuffled -> exact evaluation, unless `roles` names each loader's:
-    "train" or "eval"; porting/roles.py checks a guess); `seed` seeds the shared shuffle. LR schedulers and
-    anything else: returned as they are. Objects prepare() already made come back as they are. Initialises the
-    process group if nobody did.
+    other arguments (shuffled -> training, unshuffled -> exact evaluation, unless `roles` names each loader's;
+    porting/roles.py checks a guess): one data-parallel replica draws its order as the DataLoader does (its
+    generator=, or torch's stream), several DistributedSampler's (seed=`seed`), `split_batches`: batch_size is the
+    global batch, cut over the ranks in the one-process order. Anything else: returned as it is.
 
-    `tp`: tensor-parallel degree; the model is split over groups of `tp` neighbouring ranks by `tp_plan`, torch's
-    own parallelize_module plan ({submodule name: ColwiseParallel() / RowwiseParallel() / ...}; default: the
-    built-in plan of a ddpkit GPT), the strategy runs over the data-parallel ranks (auto: zero2 when there are
-    several, none with one), the optimizer is re-made over the DTensor parameters, and loaders shard by the
-    data-parallel rank (the ranks of one tensor group read the same samples).
-
-    pp > 1: the model is cut into `pp` pipeline stages where each module named in `pp_split` begins and comes
-    back as a PipelineModel (model.step(x, y) per batch, see ddpkit.parallel.pipeline.user_model); `loss_fn(output,
-    target)` runs on the last stage; the loaders shard over the data-parallel replicas (world_size / pp).
+    `tp`: the model split over groups of `tp` neighbouring ranks by `tp_plan` (torch's parallelize_module plan;
+    default: a ddpkit model's family's, or a transformers model's own, porting/hf_model.py), the strategy over the
+    data-parallel ranks (auto: zero2 when there are several), the optimizer re-made over the DTensor parameters.
+    pp > 1: the model cut into `pp` stages where each module of `pp_split` begins (a transformers model: its
+    layers, by its own pipeline plan), a PipelineModel (model.step(x, y); see parallel/pipeline/user_model.py);
+    `loss_fn(output, target)` runs on the last stage; loaders shard over the replicas (world_size / pp).
     """
     _check_arguments(locals())
-    if pp != 1 and tp != 1:
-        raise UserError(
-            f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
-            "use one of them with prepare(), or dist.tp and dist.pp with `ddpkit train`",
-        )
     if pp != 1:
-        return _prepare_pipeline(objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed)
+        return _prepare_pipeline(
+            objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed, split_batches
+        )
     models = _checked_models(objects, strategy)
     ctx = _context()
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
@@ -187,7 +195,9 @@ def prepare(
     if model_out is not None:
         remember_model(model_out)
     out.update(
-        _prepared_loaders(objects, loader_roles, layout.coords(ctx.rank)["dp"], layout.dp, seed, model_out)
+        _prepared_loaders(
+            objects, loader_roles, layout.coords(ctx.rank)["dp"], layout.dp, seed, model_out, split_batches
+        )
     )
     _check_schedulers(objects, out, chosen)
     ready = [out.get(id(o), o) for o in objects]
@@ -214,13 +224,20 @@ def _check_arguments(given: dict[str, Any]) -> None:
     for name in ("tp", "pp"):
         if not _is_int(given[name]) or given[name] < 1:
             refuse(name, "a whole number >= 1", f"{name}=2")
+    tp, pp = given["tp"], given["pp"]
+    if pp != 1 and tp != 1:
+        raise UserError(
+            f"ddpkit.prepare(tp={tp}, pp={pp}): tensor and pipeline parallel together are for `ddpkit train`",
+            "use one of them with prepare(), or dist.tp and dist.pp with `ddpkit train`",
+        )
     if not _is_int(given["seed"]):
         refuse("seed", "a whole number", "seed=0")
     for name in ("strategy", "pp_schedule"):
         if not isinstance(given[name], str):
             refuse(name, "a name", f"{name}={'auto' if name == 'strategy' else '1f1b'!r}")
-    if not isinstance(given["sync_bn"], bool):
-        refuse("sync_bn", "True or False", "sync_bn=True")
+    for name in ("sync_bn", "split_batches"):
+        if not isinstance(given[name], bool):
+            refuse(name, "True or False", f"{name}=True")
     mb = given["pp_microbatches"]
     if mb is not None and (not _is_int(mb) or mb < 1):
         refuse("pp_microbatches", "a whole number >= 1 or None", "pp_microbatches=4")
@@ -284,6 +301,8 @@ def _prepared_model(
             moved = _sync_bn(moved, ctx.device)
         before = list(moved.parameters())
         if mesh is not None:
+            if tp_plan is None and hf_model.is_hf_model(moved):  # the plan the model declares
+                tp_plan = hf_model.tp_plan(moved, mesh["tp"].size())
             apply_tensor_parallel(moved, mesh["tp"], tp_plan)
         out[id(model)] = chosen.wrap(moved)
         for opt in optimizers:
@@ -297,12 +316,20 @@ def _prepared_model(
 
 
 def _prepared_loaders(
-    objects: Sequence[Any], roles: list[str], dp_rank: int, dp_size: int, seed: int, model: nn.Module | None
+    objects: Sequence[Any],
+    roles: list[str],
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    model: nn.Module | None,
+    split: bool,
 ) -> dict[int, Any]:
     """{id(loader): its distributed loader} for each DataLoader, sharded over the data-parallel ranks."""
     loaders = [o for o in objects if isinstance(o, DataLoader | DistributedLoader)]
     return {
-        id(obj): prepare_loader(obj, role, seed=seed, rank=dp_rank, world_size=dp_size, model=model)
+        id(obj): prepare_loader(
+            obj, role, seed=seed, rank=dp_rank, world_size=dp_size, model=model, split=split
+        )
         for obj, role in zip(loaders, roles, strict=True)
     }
 

@@ -26,6 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.data.sampler import ExactEvalSampler, GlobalOrderSampler
+from ddpkit.distributed.collectives import all_gather_object, get_world_size
 from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import unwrap_module
 
@@ -108,16 +109,44 @@ def _already_sharded(loader: Any, world_size: int, rank: int) -> bool:
 
 
 def prepare_loader(
-    loader: Any, role: str | None, *, seed: int, rank: int, world_size: int, model: Any = None
+    loader: Any,
+    role: str | None,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    model: Any = None,
+    split: bool = False,
 ) -> Any:
-    """The loader for this process, with its role checked at every pass (see the module's docstring)."""
+    """The loader for this process, with its role checked at every pass (see the module's docstring); `split`:
+    convert_loader's."""
     if _already_sharded(loader, world_size, rank):
         return loader
     made = convert_loader(
-        loader, seed=seed, rank=rank, world_size=world_size, role=role, plain_rng=world_size == 1
+        loader, seed=seed, rank=rank, world_size=world_size, role=role, plain_rng=world_size == 1, split=split
     )
     made_role = "train" if isinstance(made, DistributedLoader) else "eval"
     model_ref = weakref.ref(model) if model is not None else (lambda: None)
     sampler = made.sampler
     sampler.on_iter = _check(made_role, role is not None, world_size, model_ref)
-    return made
+    return agreed(made)
+
+
+def agreed(loader: Any) -> Any:
+    """`loader`, whose ranks check at each pass that they drew one order where each draws it as one process does
+    (from its generator= or torch's stream: one data-parallel replica, or split_batches): ranks seeded apart
+    would read other samples than one another, silently."""
+    sampler = getattr(loader, "sampler", None)
+    if getattr(sampler, "draw_seed", False) and get_world_size() > 1:
+        sampler.agree = _same_order
+    return loader
+
+
+def _same_order(mark: int) -> None:
+    if len(set(all_gather_object(mark))) > 1:
+        raise UserError(
+            "ddpkit.prepare: the ranks drew different orders for a training loader (its generator= or torch's "
+            "random stream is seeded differently on each rank), so they would not read one global batch",
+            "seed it alike on every rank before the pass (torch.manual_seed(S), or "
+            "DataLoader(generator=torch.Generator().manual_seed(S))); seed per-rank streams after",
+        )

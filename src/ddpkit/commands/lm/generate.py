@@ -134,7 +134,8 @@ def generate_command(argv: Sequence[str]) -> int:
     if loaded.tokenizer is None:
         raise UserError(
             f"the run of '{loaded.source}' has no tokenizer.json",
-            "train with data.dataset=text, or give data.dataset=tokens its data.tokenizer_file",
+            "give data.dataset=tokens the tokenizer that made its files: data.tokenizer_file=tokenizer.json, or "
+            "nanoGPT's meta.pkl beside train.bin; or train with data.dataset=text, which makes one",
         )
     tok = from_json(loaded.tokenizer, f"the tokenizer of '{loaded.source}'")
     check_bounds(args, loaded.model.block_size, loaded.model.vocab_size)

@@ -5,7 +5,9 @@ The integer type is data.token_dtype; `auto` is uint16 when data.vocab_size is u
 nanoGPT's prepare scripts write), uint32 above. data.vocab_size bounds the ids (null: 1 + the largest id of the
 two files). A sample is one block of `data.block_size + 1` ids: (x, y) = (block[:-1], block[1:]), both int64.
 The data-parallel ranks shard the blocks as they shard `text`'s. data.tokenizer_file, when set, is the tokenizer
-that made the files: saved as out_dir/tokenizer.json for `ddpkit generate`.
+that made the files; else the `meta.pkl` nanoGPT's character-level prepare.py writes beside them, when there is
+one (nanogpt_meta.py: read without unpickling code; its vocab_size is the vocabulary): saved as
+out_dir/tokenizer.json for `ddpkit generate`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from ddpkit.atomicio import NotRegularFile, check_regular
 from ddpkit.cluster.machine import machine_memory
 from ddpkit.data.entry import DatasetEntry, Splits
-from ddpkit.data.text import TextBlocks, tokenizer
+from ddpkit.data.text import TextBlocks, nanogpt_meta, tokenizer
 from ddpkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -90,24 +92,38 @@ def _largest(ids: np.ndarray) -> int:
     return max(int(ids[i : i + CHUNK].max()) for i in range(0, len(ids), CHUNK))
 
 
-def _vocab_size(cfg: Config, arrays: list[tuple[np.ndarray, str]]) -> int:
-    """data.vocab_size, checked against every id, or 1 + the largest id; UserError on an id out of range."""
-    want = cfg.data.vocab_size
+def _vocab_size(cfg: Config, arrays: list[tuple[np.ndarray, str]], meta: int | None = None) -> int:
+    """data.vocab_size (or the size of the vocabulary in meta.pkl), checked against every id, or 1 + the largest
+    id; UserError on an id out of range."""
+    want, named = cfg.data.vocab_size, f"data.vocab_size={cfg.data.vocab_size}"
+    if meta is not None:
+        if want is not None and want != meta:
+            raise UserError(
+                f"{named}, but {Path(cfg.data.root) / nanogpt_meta.FILE} holds a vocabulary of {meta} characters",
+                "leave data.vocab_size unset: it comes from meta.pkl",
+            )
+        want, named = meta, f"the vocab_size {meta} of {nanogpt_meta.FILE}"
     largest = {name: _largest(ids) for ids, name in arrays}
     if want is None:
         return 1 + max(largest.values())
     for name, top in largest.items():
         if top >= want:
             raise UserError(
-                f"{Path(cfg.data.root) / name} holds token id {top}, not below data.vocab_size={want}",
+                f"{Path(cfg.data.root) / name} holds token id {top}, not below {named}",
                 "set data.vocab_size to the tokenizer's size, or data.token_dtype to the files' type",
             )
     return want
 
 
-def _files(cfg: Config) -> tuple[list[tuple[np.ndarray, str]], int]:
+def _meta(cfg: Config) -> tuple[str, int] | None:
+    """(tokenizer JSON, vocabulary size) of nanoGPT's meta.pkl beside the files, unless data.tokenizer_file
+    names the tokenizer."""
+    return None if cfg.data.tokenizer_file else nanogpt_meta.meta_tokenizer(cfg.data.root)
+
+
+def _files(cfg: Config, meta: tuple[str, int] | None = None) -> tuple[list[tuple[np.ndarray, str]], int]:
     arrays = [(_open(cfg, name, split), name) for name, split in SPLITS]
-    return arrays, _vocab_size(cfg, arrays)
+    return arrays, _vocab_size(cfg, arrays, meta[1] if meta else None)
 
 
 def _check(cfg: Config) -> None:
@@ -119,16 +135,18 @@ def _check(cfg: Config) -> None:
     root = Path(os.path.expanduser(cfg.data.root))
     if not root.is_dir():
         raise UserError(f"data.root '{cfg.data.root}' is not a folder", f"data.dataset=tokens reads {LAYOUT}")
-    _files(cfg)
+    _files(cfg, _meta(cfg))
     if cfg.data.tokenizer_file:
         tokenizer.from_json(tokenizer.read_file(cfg.data.tokenizer_file), "data.tokenizer_file")
 
 
 def _build(cfg: Config) -> Splits:
-    arrays, vocab = _files(cfg)
+    meta = _meta(cfg)
+    arrays, vocab = _files(cfg, meta)
     (train, _), (val, _) = arrays
     block = cfg.data.block_size
     tok = tokenizer.read_file(cfg.data.tokenizer_file) if cfg.data.tokenizer_file else None
+    tok = meta[0] if meta else tok
     # the blocks read int64 slices of the maps (torch has no arithmetic on uint16/uint32 tensors)
     return Splits(
         TextBlocks(_Ids(train), block),

@@ -70,7 +70,7 @@ class FusedColwiseParallel(ColwiseParallel):
         return f"FusedColwiseParallel(chunks={self.chunks}, input_layouts={self.input_layouts})"
 
 
-def _matches(model: nn.Module, entry: str) -> list[tuple[str, nn.Module]]:
+def matches(model: nn.Module, entry: str) -> list[tuple[str, nn.Module]]:
     """The modules parallelize_module applies `entry` to: each dotted part an fnmatch pattern."""
     parts = entry.split(".")
     return [
@@ -82,7 +82,7 @@ def _matches(model: nn.Module, entry: str) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _split_size(style: Any, module: nn.Module) -> tuple[str, int] | None:
+def split_size(style: Any, module: nn.Module) -> tuple[str, int] | None:
     """(what the style splits, its size) for a Linear or an Embedding under a colwise or rowwise style."""
     colwise = isinstance(style, ColwiseParallel)
     if not colwise and not isinstance(style, RowwiseParallel):
@@ -111,7 +111,7 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
     names = [n for n, _ in model.named_modules() if n]
     tied = _tied(model)
     for entry, style in plan.items():
-        found = _matches(model, entry)
+        found = matches(model, entry)
         for name, module in found:
             shared = [tied[id(p)] for p in module.parameters(recurse=False) if id(p) in tied]
             if shared:
@@ -131,7 +131,7 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
                 + "name modules as model.named_modules() spells them ('*' matches one part)",
             )
         for name, module in found:
-            split = _split_size(style, module)
+            split = split_size(style, module)
             if split is None:
                 continue
             what, size = split
@@ -158,4 +158,4 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
                 )
 
 
-__all__ = ["FusedColwiseParallel", "check_plan"]
+__all__ = ["FusedColwiseParallel", "check_plan", "matches", "split_size"]

@@ -73,9 +73,11 @@ def _stage_of_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[fx.Node, int]
     return out
 
 
-def _cut(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) -> list[fx.GraphModule]:
+def _cut(gm: fx.GraphModule, stage_of: dict[fx.Node, int], names: Sequence[str]) -> list[fx.GraphModule]:
     """One GraphModule per stage: stage s takes the values live across the cut before it (the model's inputs for
-    the first) and gives those live across the cut after it (the model's output for the last)."""
+    the first) and gives those live across the cut after it (the model's output for the last); the cuts are
+    where each module of `names` begins."""
+    n_stages = len(names) + 1
     nodes = list(gm.graph.nodes)
     live = []  # live[s]: values made at or before stage s and used after it, in the graph's order
     for s in range(n_stages - 1):
@@ -94,8 +96,21 @@ def _cut(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) -> lis
             outs = [env[n] for n in live[s]]
             graph.output(outs[0] if len(outs) == 1 else tuple(outs))
         graph.lint()
-        stages.append(fx.GraphModule(gm, graph, class_name=f"Stage{s}"))
+        stage = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        if s < n_stages - 1:  # where each value it gives the next stage comes from (pipeline.passing)
+            stage.ddpkit_gives = [f"{_source(n)}, crossing the cut at '{names[s]}'" for n in live[s]]
+        stages.append(stage)
     return stages
+
+
+def _source(node: fx.Node) -> str:
+    """Where a recorded value comes from, in a few words."""
+    if node.op == "call_module":
+        return f"the output of {node.target}"
+    if node.op == "placeholder":
+        return f"the model's input '{node.target}'"
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"'{node.name}', from {name}"
 
 
 # what a recorded forward computes that is not a tensor: sizes, devices, dtypes, numbers derived from them
@@ -149,11 +164,13 @@ def eager_stages(
     gm = fx.GraphModule(model, graph)
     stage_of = _stage_of_nodes(graph, names)
     _check_crossings(stage_of, len(names) + 1)
-    stages = _cut(gm, stage_of, len(names) + 1)
+    stages = _cut(gm, stage_of, names)
+    for stage in stages:
+        stage.ddpkit_model = type(model).__name__
     if eval_graph.python_code("self").src == graph.python_code("self").src:
         return stages, None
     eval_gm = fx.GraphModule(model, eval_graph)
-    return stages, _cut(eval_gm, _stage_of_nodes(eval_graph, names), len(names) + 1)
+    return stages, _cut(eval_gm, _stage_of_nodes(eval_graph, names), names)
 
 
 def cut_stages(

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.pipeline import stage_state
+from ddpkit.parallel.pipeline.passing import check_output, checked_loss, refusal
 from ddpkit.parallel.pipeline.plan import stage_ids
 from ddpkit.parallel.pipeline.split import owned_parameters
 
@@ -68,9 +69,10 @@ class ContiguousEdges(nn.Module):
     sends is laid out as the input: on the first step torch lays the previous stage's receive buffer out as the
     stage computed that gradient, and gloo refuses to receive into a buffer that is not contiguous.)"""
 
-    def __init__(self, stage: nn.Module):
+    def __init__(self, stage: nn.Module, index: int = 0, n_stages: int = 1):
         super().__init__()
         self.stage = stage
+        self.index, self.n_stages = index, n_stages  # which stage: what it gives is checked (passing.py)
 
     def forward(self, *args):
         args = tuple(
@@ -80,6 +82,7 @@ class ContiguousEdges(nn.Module):
             for a in args
         )
         out = self.stage(*args)
+        check_output(out, self.stage, self.index, self.n_stages)
         if isinstance(out, tuple):
             return tuple(o.contiguous() if torch.is_tensor(o) else o for o in out)
         return out.contiguous() if torch.is_tensor(out) else out
@@ -127,7 +130,7 @@ class PipelineRunner:
         # ranks after each backward, so every copy takes the one-process update
         self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
         self.shard = shard
-        self.wrapped = [self._wrap(m) for m in self.stages]
+        self.wrapped = [self._wrap(m, sid) for m, sid in zip(self.stages, self.ids, strict=True)]
         self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
         pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
@@ -135,11 +138,13 @@ class PipelineRunner:
         ]
         cls = _schedule_class(schedule)
         self.schedule = cls(
-            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0], n_microbatches, loss_fn=loss_fn
+            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0],
+            n_microbatches,
+            loss_fn=checked_loss(loss_fn),
         )
 
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        module = ContiguousEdges(module)
+    def _wrap(self, module: nn.Module, sid: int) -> nn.Module:
+        module = ContiguousEdges(module, sid, self.n_stages)
         if self.shard is not None:  # FSDP2: every forward gathers the stage's parameters (a collective)
             return self.shard(module)
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
@@ -204,9 +209,15 @@ class PipelineRunner:
         args = (x.to(self.device),) if self.first else ()
         target = y.to(self.device) if self.last else None
         with self.autocast(), self._no_sync():
-            out = self.schedule.step(
-                *args, target=target, losses=losses, return_outputs=outputs and self.last
-            )
+            try:
+                out = self.schedule.step(
+                    *args, target=target, losses=losses, return_outputs=outputs and self.last
+                )
+            except Exception as e:
+                told = refusal(e)
+                if told is None:
+                    raise
+                raise told from None
         loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else None
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))

@@ -34,6 +34,7 @@ import torch.nn as nn
 from ddpkit.errors import UserError
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.pipeline.eager import cut_stages
+from ddpkit.parallel.pipeline.passing import described
 from ddpkit.parallel.pipeline.plan import (
     SCHEDULES,
     check_microbatches,
@@ -59,6 +60,7 @@ class PipelineModel:
         schedule: str = "1f1b",
         microbatches: int | None = None,
         device: torch.device | None = None,
+        cut: Callable[[Sequence[int]], tuple] | None = None,
     ):
         if schedule not in SCHEDULES:
             raise UserError(
@@ -72,6 +74,11 @@ class PipelineModel:
             )
         check_split_names(model, list(pp_split), pp * stages_per_rank(schedule))
         self.model, self.names, self.loss_fn = model, list(pp_split), loss_fn
+        # cut(stage ids) -> (those stages, their evaluation stages or None, the shared parameters): a model that
+        # says how it is cut (a transformers model's pipeline plan, porting/hf_model.py); None: pipeline.eager
+        self.cut = cut
+        self.advice: str | None = None  # added to the hint of a stage's refusal (porting: a model inside)
+        self.shape: tuple | None = None  # (shape, dtype) of every step's x: what the stages were built for
         self.pp, self.schedule = pp, schedule
         self.microbatches = n_microbatches(pp, microbatches)
         check_microbatches(self.microbatches, pp, "ddpkit.prepare: pp_microbatches", "pp")
@@ -112,9 +119,13 @@ class PipelineModel:
                 )
             self.batch = len(x) // self.microbatches * self.microbatches
             example = (x[: self.batch // self.microbatches].to(self.device),)
-            stages, eval_stages, shared, traced = cut_stages(
-                self.model, self.names, example, ids, say=dist.get_rank() == 0
-            )
+            if self.cut is not None:
+                stages, eval_stages, shared = self.cut(ids)
+                traced = False
+            else:
+                stages, eval_stages, shared, traced = cut_stages(
+                    self.model, self.names, example, ids, say=dist.get_rank() == 0
+                )
             if traced:  # traced stages take one micro-batch size: evaluation cuts and pads to it
                 self.fixed_batch = len(example[0])
             self.runner = PipelineRunner(
@@ -135,6 +146,11 @@ class PipelineModel:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch: gradients of its mean loss, in this rank's stages; returns that
         loss on every rank (averaged over the data-parallel replicas by their DDP, not here)."""
+        if not isinstance(x, torch.Tensor):
+            raise UserError(
+                f"model.step(x, y) got {described(x)} as x; the pipeline's first stage takes one tensor",
+                "pass the model's input as a tensor (e.g. the token ids: batch['input_ids'])",
+            )
         micro_chunks(x, self.microbatches)
         runner = self._built(x)
         if len(x) != self.batch:
@@ -142,7 +158,17 @@ class PipelineModel:
                 f"model.step() got a batch of {len(x)} samples, the pipeline runs batches of {self.batch}",
                 "give every step a batch of the same size (DataLoader(..., drop_last=True))",
             )
-        return runner.step(x, y)[0]
+        if self.shape is not None and (tuple(x.shape), x.dtype) != self.shape:
+            raise UserError(
+                f"model.step() got x of shape {tuple(x.shape)} ({x.dtype}); the pipeline's stages pass tensors of "
+                f"the shapes its first step gave them, from x of shape {self.shape[0]} ({self.shape[1]})",
+                "give every step x of one shape (pad or cut sequences to one length)",
+            )
+        self.shape = (tuple(x.shape), x.dtype)
+        try:
+            return runner.step(x, y)[0]
+        except UserError as e:
+            raise UserError(e.what, f"{e.hint}; {self.advice}" if self.advice else e.hint) from None
 
     def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
         """What ddpkit.clip_grad_norm_ asks (parallel/clip.py): its runner's parts, once the first step built it."""

@@ -72,28 +72,62 @@ class FSDPStrategy(Strategy):
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that get a shard group of their own. A model with containers of blocks (ModuleDict /
-    ModuleList children: a transformer's blocks, never called as a whole) shards each block as a unit and leaves
-    its other parts (embeddings, final norm, head) to the root's group, as torch's FSDP2 examples draw them: as
-    separate units those small parts cost a gather and a reduce-scatter each per step (fsdp at 0.865x
-    hand-written FSDP2 on gloo, 0.964x without them: benchmarks/RESULTS.md §16). A model without such
-    containers shards each top-level child that holds trainable parameters. Units that share a parameter (a head
-    tied to the token embedding) are left to the root's group, which holds a shared parameter once for all the
-    modules that use it."""
-    import collections
-
-    import torch.nn as nn
+    """The modules that get a shard group of their own: the model's repeated blocks (repeated_blocks: a
+    transformer's layers, never called as a whole), its other parts (embeddings, final norm, head) left to the
+    root's group, as torch's FSDP2 examples draw them: as separate units those small parts cost a gather and a
+    reduce-scatter each per step (fsdp at 0.865x hand-written FSDP2 on gloo, 0.964x without them:
+    benchmarks/RESULTS.md §16). A model with no blocks shards each top-level child that holds trainable
+    parameters. A unit holding a parameter that a module outside it holds too (a token embedding tied to the
+    head) is left to the root's group, which holds a shared parameter once for all the modules that use it."""
 
     def trainable(m: nn.Module) -> bool:
         return any(p.requires_grad for p in m.parameters())
 
-    containers = [c for c in model.children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
-    if containers:
-        units = [m for c in containers for m in c.children() if trainable(m)]
-    else:
+    units = [m for m in repeated_blocks(model) if trainable(m)]
+    if not units:
         units = [m for m in model.children() if trainable(m)]
-    uses = collections.Counter(id(p) for m in units for p in m.parameters())
-    return [m for m in units if all(uses[id(p)] == 1 for p in m.parameters())]
+    holders: dict[int, set[int]] = {}  # parameter -> the modules holding it
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+
+    def alone(unit: nn.Module) -> bool:
+        inside = {id(m) for m in unit.modules()}
+        return all(holders[id(p)] <= inside for p in unit.parameters())
+
+    return [m for m in units if alone(m)]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: the modules of the classes its `_no_split_modules` names (transformers' declaration of
+    its decoder layers), else the children of its outermost ModuleDicts / ModuleLists, at any depth (ddpkit's
+    `blocks`, transformers' `model.layers`), a container among them opened in turn (nanoGPT's `transformer.h`);
+    [] when there are none."""
+    import torch.nn as nn
+
+    containers = (nn.ModuleDict, nn.ModuleList)
+    declared = getattr(model, "_no_split_modules", None) or ()
+    names = {declared} if isinstance(declared, str) else set(declared)
+
+    def outermost(wanted) -> list[nn.Module]:
+        found: dict[int, nn.Module] = {}
+
+        def visit(m: nn.Module) -> None:
+            for c in m.children():
+                if wanted(c):
+                    found.setdefault(id(c), c)
+                else:
+                    visit(c)
+
+        visit(model)
+        return list(found.values())
+
+    def opened(m: nn.Module) -> list[nn.Module]:
+        return [b for c in m.children() for b in (opened(c) if isinstance(c, containers) else [c])]
+
+    blocks = outermost(lambda m: type(m).__name__ in names) if names else []
+    return blocks or [b for c in outermost(lambda m: isinstance(m, containers)) for b in opened(c)]
 
 
 def _recognizes(model, optimizer) -> bool:
