@@ -86,6 +86,7 @@ def test_a_transformers_folder_loads_and_exports_with_equal_logits(tmp_path, nam
 def test_what_a_family_cannot_hold_is_one_line(tmp_path):
     import json
 
+    from ddpkit.config import load_config
     from ddpkit.models.loading import load_model
 
     def refused(model, fragment: str, edit=None) -> None:
@@ -105,6 +106,12 @@ def test_what_a_family_cannot_hold_is_one_line(tmp_path):
     refused(_transformers("qwen2", **window), "sliding-window attention")
     refused(_transformers("qwen3", attention_bias=True), "biases in the attention")
     refused(_transformers("mistral"), "has no sliding_window", lambda cfg: cfg.pop("sliding_window"))
+    # a config of another of the families, given the folder: one line naming both
+    _transformers("qwen2").save_pretrained(tmp_path / "qwen2")
+    for arch in ("llama", "qwen3", "mistral"):
+        with pytest.raises(UserError) as e:
+            load_config(None, [f"model.init_from={tmp_path / 'qwen2'}", f"model.arch={arch}"])
+        assert f"model.arch={arch} but model.init_from" in e.value.line() and "model_type='qwen2'" in e.value.line()
 
 
 # ------------------------------------------------------------------- init_from, the layouts and export
