@@ -84,13 +84,13 @@ def single() -> dict:
     }
 
 
-def piped(pp: int, schedule: str) -> dict:
+def piped(pp: int, schedule: str, split: tuple[str, ...] = ("blocks.2",)) -> dict:
     """The same training through prepare(pp=...): the per-step calls docs/pipeline.md shows."""
     model, opt, train, val = model_and_data()
     world = ddpkit.get_world_size()
     train = DataLoader(train.dataset, batch_size=BATCH * pp // world, shuffle=True, drop_last=True)
     model, opt, train, val = ddpkit.prepare(
-        model, opt, train, val, pp=pp, pp_split=["blocks.2"], loss_fn=lm_loss, pp_schedule=schedule
+        model, opt, train, val, pp=pp, pp_split=list(split), loss_fn=lm_loss, pp_schedule=schedule
     )
     losses = []
     for x, y in train:

@@ -89,6 +89,15 @@ RUN = {
     "ddpkit train -c configs/text_gpt.yaml dist.tp=2 --nproc-per-node 2": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml dist.tp=2 --nproc-per-node 4 --oversubscribe": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml model.activation_checkpointing=full": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml model.activation_checkpointing=selective": (
+        "test_language_model_lines_train_as_written"
+    ),
+    **{
+        f"ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule={s} --nproc-per-node 2": (
+            "test_language_model_lines_train_as_written"
+        )
+        for s in ("interleaved_zb", "zbv", "dualpipev")
+    },
     "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": "test_language_model_lines_train_as_written",
     "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=interleaved_1f1b --nproc-per-node 2": (
@@ -105,7 +114,6 @@ RUN = {
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
-TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 LM_LOOP = "tests/commands/test_generate.py"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (

@@ -111,7 +111,10 @@ def test_what_a_family_cannot_hold_is_one_line(tmp_path):
     for arch in ("llama", "qwen3", "mistral"):
         with pytest.raises(UserError) as e:
             load_config(None, [f"model.init_from={tmp_path / 'qwen2'}", f"model.arch={arch}"])
-        assert f"model.arch={arch} but model.init_from" in e.value.line() and "model_type='qwen2'" in e.value.line()
+        assert (
+            f"model.arch={arch} but model.init_from" in e.value.line()
+            and "model_type='qwen2'" in e.value.line()
+        )
 
 
 # ------------------------------------------------------------------- init_from, the layouts and export

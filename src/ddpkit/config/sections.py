@@ -136,8 +136,11 @@ class ModelConfig(Section):
     pretrained: str | None = opt(
         None, "initial weights: a weights file (read with weights_only=True) or torchvision; null: random"
     )
-    activation_checkpointing: Literal["none", "full"] = opt(
-        "none", "none, or full: every block's activations re-computed in backward (less memory, more compute)"
+    activation_checkpointing: Literal["none", "full", "selective"] = opt(
+        "none",
+        "none; full: every block's activations re-computed in backward (less memory, more compute); selective: "
+        "each block keeps its matmul and attention outputs and re-computes the cheap ops between them (torch's "
+        "op-level selective recomputation: memory and time between none and full)",
     )
 
 
@@ -224,8 +227,11 @@ class DistConfig(Section):
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
     dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = opt(
-        "1f1b", "pipeline schedule (torch.distributed.pipelining)"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = opt(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining); interleaved_1f1b and interleaved_zb run two stages "
+        "per rank in a loop, zbv and dualpipev two per rank in a V; the last three split each backward to fill "
+        "the bubble (zero bubble)",
     )
     pp_microbatches: int | None = opt(
         None, "micro-batches per optimizer step through the pipeline; null: 2 x dist.pp", gt=0

@@ -104,8 +104,8 @@ def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
     family = models.model_family(cfg.model.arch)
-    if cfg.model.activation_checkpointing == "full":
-        checkpoint_blocks(family.checkpointed(model))
+    if cfg.model.activation_checkpointing != "none":  # full or selective
+        checkpoint_blocks(family.checkpointed(model), cfg.model.activation_checkpointing)
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], family=family)
     return model

@@ -2,8 +2,12 @@
 runs, how many micro-batches a step has, and the settings a pipeline cannot run with.
 
 Words: a *stage* is one consecutive slice of the model; `dist.pp` ranks run the stages (one each, or two each
-under `interleaved_1f1b`, rank r holding stages r and r + pp); a pipeline *micro-batch* is one of the
-`dist.pp_microbatches` equal chunks of a rank's batch that flow through the stages.
+under the interleaved and V schedules); a pipeline *micro-batch* is one of the `dist.pp_microbatches` equal chunks
+of a rank's batch that flow through the stages. Where a rank runs two stages they are placed in a loop
+(`interleaved_1f1b`, `interleaved_zb`: rank r holds stages r and r + pp) or in a V (`zbv`, `dualpipev`: rank r
+holds stages r and 2 pp - 1 - r, so the first and the last stage share rank 0 and the middle two rank pp - 1).
+The zero-bubble schedules (`interleaved_zb`, `zbv`, `dualpipev`) split each backward into the input's gradient,
+which the previous stage waits for, and the weights' gradient, which fills the idle time.
 """
 
 from __future__ import annotations
@@ -14,17 +18,30 @@ from ddpkit.errors import UserError
 from ddpkit.models import model_family
 from ddpkit.parallel.strategy import get_strategy, names_with
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+LOOPED = ("interleaved_1f1b", "interleaved_zb")  # two stages per rank, placed in a loop
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # the input's and the weights' gradients apart
 
 
 def stages_per_rank(schedule: str) -> int:
     """How many stages one pipeline rank runs under `schedule`."""
-    return 2 if schedule == "interleaved_1f1b" else 1
+    return 2 if schedule in LOOPED + V_SHAPED else 1
 
 
 def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """The stage indices pipeline rank `pp_rank` runs (the looped placement: r, r + pp, ...)."""
+    """The stage indices pipeline rank `pp_rank` runs, in increasing order: r, r + pp, ... (looped), or r and
+    2 pp - 1 - r (V)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that runs stage `stage` (the inverse of stage_ids)."""
+    if schedule in V_SHAPED and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def n_microbatches(pp: int, configured: int | None) -> int:
@@ -32,12 +49,26 @@ def n_microbatches(pp: int, configured: int | None) -> int:
     return configured if configured is not None else 2 * pp
 
 
-def check_microbatches(micro: int, pp: int, key: str, pp_key: str) -> None:
-    """torch's schedules need at least one micro-batch per pipeline rank."""
+def check_microbatches(micro: int, pp: int, schedule: str, where: str = "dist.") -> None:
+    """torch's schedules need at least one micro-batch per pipeline rank; the looped ones whole rounds of pp
+    micro-batches, DualPipeV at least one per stage (2 pp). `where`: how the settings are spelled, `dist.` (the
+    config keys) or `ddpkit.prepare: ` (its arguments)."""
+    key, pp_key = ("dist.pp_microbatches", "dist.pp") if where == "dist." else ("pp_microbatches", "pp")
+    say = "" if where == "dist." else where
     if micro < pp:
         raise UserError(
-            f"{key}={micro} is fewer than the {pp} pipeline ranks ({pp_key}={pp})",
+            f"{say}{key}={micro} is fewer than the {pp} pipeline ranks ({pp_key}={pp})",
             f"use at least {pp} micro-batches (the default is {2 * pp})",
+        )
+    sched = f"{say}{key.replace('microbatches', 'schedule')}={schedule}"
+    if schedule in LOOPED and micro % pp:
+        raise UserError(
+            f"{sched} needs {key} a multiple of {pp_key}={pp}, got {micro}", f"use {key}={2 * pp}"
+        )
+    if schedule == "dualpipev" and micro < 2 * pp:
+        raise UserError(
+            f"{sched} needs at least one micro-batch per stage ({2 * pp}), {key} is {micro}",
+            f"use {key}={2 * pp} or more",
         )
 
 
@@ -89,24 +120,37 @@ def _refusals(cfg: Any) -> list[tuple[bool, str, str]]:
             "drop it: the stages hold different BatchNorm layers, there is nothing to synchronise across them",
         ),
         (model.compile, "model.compile=true", "drop it: stages run eagerly under the pipeline schedules"),
+        (
+            d.pp_schedule in SPLIT_BACKWARD and d.strategy != "auto" and _regathers(d.strategy),
+            f"dist.strategy={d.strategy} (parameters re-gathered for each backward) with "
+            f"dist.pp_schedule={d.pp_schedule}",
+            "use dist.strategy=zero2 (sharded, gathered once per step), which the split backward of the "
+            "zero-bubble schedules can follow, or another dist.pp_schedule",
+        ),
+        (
+            d.pp_schedule in SPLIT_BACKWARD and model.activation_checkpointing == "selective",
+            f"model.activation_checkpointing=selective with dist.pp_schedule={d.pp_schedule}",
+            "use model.activation_checkpointing=full (torch's selective recomputation allows one backward per "
+            "block, the split backward runs two), or another dist.pp_schedule",
+        ),
     ]
 
 
+def _regathers(strategy: str) -> bool:
+    """The strategy reshards a stage's parameters after its forward (FSDP2's default): torch's split backward
+    then finds the sharded parameters in place of those the forward used, and computes wrong gradients."""
+    return getattr(get_strategy(strategy).cls, "reshard_after_forward", False) is not False
+
+
 def _check_microbatching(cfg: Any) -> None:
-    """The batch cuts into the micro-batches, and an interleaved schedule gets whole rounds of them."""
+    """The batch cuts into the micro-batches, and the schedule gets as many as it needs."""
     d, batch_size = cfg.dist, cfg.train.batch_size
     micro = n_microbatches(d.pp, d.pp_microbatches)
-    check_microbatches(micro, d.pp, "dist.pp_microbatches", "dist.pp")
+    check_microbatches(micro, d.pp, d.pp_schedule)
     if batch_size % micro:
         raise UserError(
             f"train.batch_size={batch_size} cannot be cut into dist.pp_microbatches={micro} equal parts",
             f"use a train.batch_size that is a multiple of {micro}",
-        )
-    if d.pp_schedule == "interleaved_1f1b" and micro % d.pp:
-        raise UserError(
-            f"dist.pp_schedule=interleaved_1f1b needs dist.pp_microbatches a multiple of dist.pp={d.pp}, "
-            f"got {micro}",
-            f"use dist.pp_microbatches={2 * d.pp}",
         )
 
 

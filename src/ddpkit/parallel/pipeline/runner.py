@@ -1,5 +1,6 @@
 """Pipeline parallelism: the model cut into stages over `dist.pp` ranks, micro-batches fed through them by a
-torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B).
+torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B, and the zero-bubble ones: interleaved
+zero bubble, ZB-V and DualPipeV).
 
 `PipelineRunner` is what the Trainer (when dist.pp > 1) and `ddpkit.prepare(..., pp=...)` drive:
 
@@ -27,7 +28,7 @@ import torch.nn as nn
 from ddpkit.parallel.clip import clip_grad_norm_
 from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.passing import check_output, checked_loss, refusal
-from ddpkit.parallel.pipeline.plan import stage_ids
+from ddpkit.parallel.pipeline.plan import SPLIT_BACKWARD, stage_ids, stage_rank
 from ddpkit.parallel.pipeline.split import owned_parameters
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
@@ -41,6 +42,9 @@ def _schedule_class(name: str):
         "gpipe": pl.ScheduleGPipe,
         "1f1b": pl.Schedule1F1B,
         "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+        "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
+        "zbv": pl.ScheduleZBVZeroBubble,
+        "dualpipev": pl.ScheduleDualPipeV,
     }[name]
 
 
@@ -128,17 +132,25 @@ class PipelineRunner:
         self.first, self.last = 0 in self.ids, self.n_stages - 1 in self.ids
         # parameters used by stages of several ranks (pipeline.split.Shared): their gradients summed over those
         # ranks after each backward, so every copy takes the one-process update
-        self.shared = [s for s in shared if len({sid % self.pp for sid in s.stages}) > 1]
+        self.shared = [s for s in shared if len({self._pp_rank(sid) for sid in s.stages}) > 1]
         self.shard = shard
+        # a zero-bubble schedule computes the weights' gradients apart from the backward (and out of micro-batch
+        # order), which DDP's reducer cannot follow: the replicas' gradients are averaged after the step instead
+        self.average_after = (
+            shard is None
+            and schedule in SPLIT_BACKWARD
+            and dp_group is not None
+            and dist.get_world_size(dp_group) > 1
+        )
         self.wrapped = [self._wrap(m, sid) for m, sid in zip(self.stages, self.ids, strict=True)]
         self.ddp = [w for w in self.wrapped if isinstance(w, nn.parallel.DistributedDataParallel)]
-        pipe_stages = [
+        self.pipe_stages = [
             PipelineStage(w, sid, self.n_stages, self.device, group=pp_group)
             for w, sid in zip(self.wrapped, self.ids, strict=True)
         ]
         cls = _schedule_class(schedule)
         self.schedule = cls(
-            pipe_stages if len(pipe_stages) > 1 else pipe_stages[0],
+            self.pipe_stages if len(self.pipe_stages) > 1 else self.pipe_stages[0],
             n_microbatches,
             loss_fn=checked_loss(loss_fn),
         )
@@ -147,7 +159,7 @@ class PipelineRunner:
         module = ContiguousEdges(module, sid, self.n_stages)
         if self.shard is not None:  # FSDP2: every forward gathers the stage's parameters (a collective)
             return self.shard(module)
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1 or self.average_after:
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -181,9 +193,13 @@ class PipelineRunner:
         return self
 
     # ---- training -------------------------------------------------------------------------------------
+    def _pp_rank(self, stage: int) -> int:
+        """The rank of this pipeline (0 .. pp - 1) running `stage`."""
+        return stage_rank(stage, self.pp, self.schedule_name)
+
     def _owner(self, stage: int) -> int:
         """The global rank running `stage` in this rank's pipeline."""
-        return dist.get_global_rank(self.pp_group, stage % self.pp)
+        return dist.get_global_rank(self.pp_group, self._pp_rank(stage))
 
     def step(
         self,
@@ -221,6 +237,8 @@ class PipelineRunner:
         loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last else None
         if share_loss:
             loss = self.from_last(loss if loss is not None else torch.zeros((), device=self.device))
+        if self.average_after:
+            self._average_over_replicas()
         self._sum_shared_grads()
         for p, g in zip(params, kept, strict=True):
             if g is not None:
@@ -232,6 +250,21 @@ class PipelineRunner:
         ranks pass a tensor of the same shape and dtype, which is overwritten)."""
         dist.broadcast(t, src=self._owner(self.n_stages - 1), group=self.pp_group)
         return t
+
+    def _average_over_replicas(self) -> None:
+        """Each gradient of this rank's stages averaged over the data-parallel replicas, as DDP would (one
+        all-reduce per dtype of the flattened gradients)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        n = dist.get_world_size(self.dp_group)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(n)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
 
     def _uses(self, shared) -> bool:
         return any(sid in self.ids for sid in shared.stages)
@@ -248,7 +281,7 @@ class PipelineRunner:
     def norm_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters with a shared one counted on the first rank that uses it only (what the
         pipeline's gradient norm sums over its ranks)."""
-        skip = {id(s.param) for s in self.shared if min(sid % self.pp for sid in s.stages) != self.pp_rank}
+        skip = {id(s.param) for s in self.shared if min(map(self._pp_rank, s.stages)) != self.pp_rank}
         return [p for p in self.parameters() if id(p) not in skip]
 
     def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
@@ -285,14 +318,16 @@ class PipelineRunner:
         output on the rank running it, None elsewhere. Every rank of the pipeline calls it."""
         h, out = x.to(self.device), None
         for k, sid in enumerate(self.ids):
-            if sid > 0:
+            if sid > 0 and sid - 1 not in self.ids:  # else the previous stage ran here: h is its output
                 h = self._recv(sid - 1)
             with self.autocast():
                 h = self._eval_forward(k, h)
-            if sid < self.n_stages - 1:  # a tensor-parallel rank sends its own part to its peer
-                self._send(h.to_local() if hasattr(h, "to_local") else h, sid + 1)
-            else:
+            if sid == self.n_stages - 1:
                 out = _local(h)
+                continue
+            h = h.to_local() if hasattr(h, "to_local") else h  # a tensor-parallel rank's own part
+            if sid + 1 not in self.ids:
+                self._send(h, sid + 1)
         return out
 
     def _eval_forward(self, k: int, h: torch.Tensor):

@@ -81,7 +81,7 @@ class PipelineModel:
         self.shape: tuple | None = None  # (shape, dtype) of every step's x: what the stages were built for
         self.pp, self.schedule = pp, schedule
         self.microbatches = n_microbatches(pp, microbatches)
-        check_microbatches(self.microbatches, pp, "ddpkit.prepare: pp_microbatches", "pp")
+        check_microbatches(self.microbatches, pp, schedule, where="ddpkit.prepare: ")
         self.device = device or torch.device("cpu")
         self.layout = layout_of(dist.get_world_size(), tp=1, pp=pp)
         self.coords = self.layout.coords(dist.get_rank())
