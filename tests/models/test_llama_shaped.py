@@ -117,6 +117,27 @@ def test_what_a_family_cannot_hold_is_one_line(tmp_path):
         )
 
 
+@pytest.mark.parametrize("name", list(HF))
+def test_the_meta_build_replays_each_familys_constructor_exactly(name):
+    """Under a sharded layout the model is built on the meta device and its draws replayed (parallel/materialize.py):
+    the families' own tensors (Qwen2's biases, Qwen3's per-head norms) are made as the constructor makes them."""
+    from ddpkit.models import model_family
+    from ddpkit.parallel.materialize import Materializer, StreamReplay
+
+    family = model_family(name)
+    cls = family.module_types[0]
+    for tied in (False, True):
+        torch.manual_seed(3)
+        want = cls(19, 8, 2, 4, 16, n_kv_head=2, tie_embeddings=tied, head_dim=8).state_dict()
+        with torch.device("meta"):
+            meta = cls(19, 8, 2, 4, 16, n_kv_head=2, tie_embeddings=tied, head_dim=8)
+        made = Materializer(StreamReplay(meta, family.init_weights, 3), "cpu")(meta).state_dict()
+        assert sorted(made) == sorted(want) and all(torch.equal(t, want[k]) for k, t in made.items()), (
+            name,
+            tied,
+        )
+
+
 # ------------------------------------------------------------------- init_from, the layouts and export
 
 TOKENS = [

@@ -10,6 +10,7 @@ the registry is first asked. torchvision and timm are imported inside the functi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -247,10 +248,8 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
         else:
             key = "model.n_layer" if m.n_layer > 64 else "model.n_embd"
         raise UserError(
-            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} (data.block_size={cfg.data.block_size}, "
-            f"train.batch_size={cfg.train.batch_size}) needs about {need / 2**30:.0f} GiB "
-            f"({params:,} parameters with their gradients and optimizer state, and the activations), "
-            f"more than this machine's {have / 2**30:.0f} GiB",
+            f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} needs about {need / 2**30:.0f} GiB at this "
+            f"batch and block size, over this machine's {have / 2**30:.0f} GiB",
             f"make {key} smaller",
         )
 
@@ -272,13 +271,16 @@ def build_model(
     *,
     vocab_size: int | None = None,
     block_size: int | None = None,
+    meta: bool = False,
 ) -> nn.Module:
     """The model named by cfg.model.arch, with cfg.model.pretrained weights loaded (on the CPU) when set.
 
     A language model (model.arch=gpt) takes `vocab_size` and `block_size` (the data's) instead of the classes and
     image shape. `report` receives the line saying what the pretrained weights filled in (default: the
-    `ddpkit.models` logger).
+    `ddpkit.models` logger). `meta`: built on the meta device (no values; parallel/materialize.py makes them).
     """
+    import torch
+
     from ddpkit.models.torchvision import model as torchvision_models
     from ddpkit.models.weights import load_matching, log, read_weights
 
@@ -287,12 +289,13 @@ def build_model(
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
-    if family.build_lm is not None:
-        if vocab_size is None or block_size is None:
-            raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
-        model = family.build_lm(arch, vocab_size, block_size, cfg.model)
-    else:
-        model = family.build(arch, num_classes, in_channels, image_size)
+    if family.build_lm is not None and (vocab_size is None or block_size is None):
+        raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if family.build_lm is not None:
+            model = family.build_lm(arch, vocab_size, block_size, cfg.model)
+        else:
+            model = family.build(arch, num_classes, in_channels, image_size)
     if pretrained == "torchvision":
         (report or log.info)(
             load_matching(

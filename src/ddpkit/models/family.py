@@ -11,7 +11,7 @@ language model, what a worker imports to build it) and `model.py` its model and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from torch import Tensor, nn
+
+    from ddpkit.models.init import Step
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,13 @@ class ModelFamily:
     hf: HFConverter | None = None
     # a language model's: the tensor whose first dimension is the vocabulary (read from a checkpoint's shapes)
     vocab_tensor: str = "tok_emb.weight"
+    # how its constructor initialises it after each of its modules' own reset_parameters() (which their
+    # constructors call): (the model) -> its steps (models/init.py Step: a tensor's name, the tensor, what fills a
+    # whole one from torch's global stream), in the order they draw. With it, `ddpkit train` builds the model on
+    # the meta device, lays it out, and each rank makes only its own shards by replaying the same draws one tensor
+    # at a time (parallel/materialize.py): exactly the one-process build's weights on any layout. None: the model
+    # is built whole on every rank (torchvision's and timm's classifiers, cnn/mlp: small).
+    init_weights: Callable[[nn.Module], Iterable[Step]] | None = None
 
     @property
     def tokens(self) -> bool:
@@ -207,6 +216,6 @@ class ModelFamily:
         else:
             raise UserError(
                 f"model.arch={cfg.model.arch} has no pipeline split",
-                "dist.pp>1 cuts a model whose family declares its split points: ModelFamily.pp_stage or "
-                "pp_split; for your own model use ddpkit.prepare(model, pp=..., pp_split=[module names])",
+                "its family declares none (ModelFamily.pp_stage, pp_split); your own: ddpkit.prepare(model, "
+                "pp=..., pp_split=[...])",
             )

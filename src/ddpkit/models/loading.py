@@ -230,7 +230,7 @@ def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = Non
         strategy.load_sharded(wrapped, None, path, {})
     except (KeyError, ValueError) as e:
         raise UserError(
-            f"model.init_from '{path}' does not fit this model: {first_line(e)}", INIT_HINT
+            f"model.init_from '{path}' does not fit this model: {first_line(e, limit=40)}", INIT_HINT
         ) from None
     if report is not None:
         read = FolderReader.READ.get(folder.folder, 0) - before

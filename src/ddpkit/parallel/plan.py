@@ -104,8 +104,7 @@ def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
     if tp > 1 and family.tp_plan is None:
         raise UserError(
             f"dist.tp={tp} needs a model with a tensor-parallel plan; model.arch={m.arch} has none",
-            "pick a model.arch whose family declares one (ModelFamily.tp_plan), or "
-            "ddpkit.prepare(model, tp=..., tp_plan=...) with a plan of your own",
+            "pick a model.arch whose family declares one, or ddpkit.prepare(model, tp=..., tp_plan=...)",
         )
     sizes = family.tp_sizes(cfg) if tp > 1 else []
     if tp > 1 and layout.pp == 1 and sequence_parallel_pays(backend):
@@ -125,8 +124,7 @@ def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
         raise UserError(
             f"model.activation_checkpointing={m.activation_checkpointing} re-computes a model's blocks; "
             f"model.arch={m.arch} has none",
-            "pick a model.arch whose family declares them (ModelFamily.checkpointed), or "
-            "model.activation_checkpointing=none",
+            "pick a model.arch that declares them, or model.activation_checkpointing=none",
         )
 
 

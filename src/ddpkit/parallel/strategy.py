@@ -60,7 +60,10 @@ class StrategyEntry:
     `with_pp`: runs over the data-parallel ranks of a pipeline (dist.pp);
     `hybrid`: shards inside groups of dist.dp_shard ranks and replicates across the groups;
     `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
-    replicas of a tensor-parallel model, "offload" dist.offload=cpu).
+    replicas of a tensor-parallel model, "offload" dist.offload=cpu);
+    `wraps_meta`: its wrap takes a model on the meta device and leaves it there, laid out (the plain module,
+    FSDP2's fully_shard): a model built on meta is made real after the wrap, each rank allocating only its
+    shards (parallel/materialize.py); without it the model is made whole before the wrap (DDP broadcasts it).
     """
 
     name: str
@@ -79,6 +82,7 @@ class StrategyEntry:
     with_pp: bool = False
     hybrid: bool = False
     auto: tuple[str, ...] = ()
+    wraps_meta: bool = False
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):

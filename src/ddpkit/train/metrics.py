@@ -158,6 +158,15 @@ class RunLog:
             self._log.write(line)
             self._log.flush()
 
+    def record(self, msg: str) -> None:
+        """A line in log.txt only, from any rank (its own failure), once rank 0 has started log.txt; the lines
+        of several ranks are appended whole (one write each)."""
+        path = self.out_dir / "log.txt"
+        if not path.is_file():
+            return
+        with contextlib.suppress(OSError), append_own(path) as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
     def _console(self, write) -> None:
         """Write to the console unless it went away; a closed pipe ends the printing, never the run."""
         if self.stream is None:

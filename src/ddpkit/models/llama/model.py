@@ -12,7 +12,7 @@ keyed "0", "1", ..., and `forward` skipping a part set to None.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import FamilyCard, HFConverter, ModelFamily, images_refused
+from ddpkit.models.init import Step, init_tensors, normal, zeros
 from ddpkit.models.keys import activation_bytes, check_heads
 from ddpkit.models.llama import hf
 from ddpkit.models.llama.keys import CARD
@@ -190,14 +191,9 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleDict({str(i): self.block(i) for i in range(n_layer)})
         self.ln_f: nn.Module | None = nn.RMSNorm(n_embd, eps=norm_eps)
         self.head: nn.Module | None = nn.Linear(n_embd, vocab_size, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # residual projections scaled by depth, as the GPT's
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
         if tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        init_tensors(self, init_steps)  # from torch's global stream (nothing on the meta device)
 
     def block(self, i: int) -> nn.Module:
         """Block `i` of the stack (a family whose blocks differ, experts say, gives its own)."""
@@ -217,6 +213,20 @@ class Llama(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
+
+
+def init_steps(model: Llama) -> Iterator[Step]:
+    """Its initialisation after each layer's own (ModelFamily.init_weights), as the GPT's: every matrix normal(0,
+    0.02), the residual projections (the attention's output, the SwiGLU's down) normal(0, 0.02 / sqrt(2
+    n_layer)), the biases (Qwen2's q, k and v) zero, in the order of named_parameters; a head tied to the token
+    embedding draws its own weight first, which the tie then replaces."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.dim() == 2:
+            std = 0.02 / math.sqrt(2 * model.n_layer) if name.endswith(("wo.weight", "down.weight")) else 0.02
+            replaced = model.tie_embeddings and name == "head.weight"
+            yield (None if replaced else name), p, normal(std)
+        elif name.endswith(".bias"):
+            yield name, p, zeros
 
 
 def builder(model: type[Llama], windowed: bool = False) -> Callable[[str, int, int, Any], nn.Module]:
@@ -273,7 +283,7 @@ def llama_shaped(
 ) -> ModelFamily:
     """The ModelFamily of a Llama-shaped family (the Llama's, Qwen2's, ...): `model` (the Llama or a subclass
     fixing its options) built from the config's keys (model.sliding_window among them when `windowed`), the
-    Llama's parallel facts, checks and size estimate, and the family's own Hugging Face converter."""
+    Llama's parallel facts, checks, size estimate and initialisation, and the family's own Hugging Face converter."""
     return ModelFamily(
         **card.fields(),
         owns=card.owns,
@@ -285,6 +295,7 @@ def llama_shaped(
         hf=converter,
         check_keys=check_keys,
         estimate=estimate_of,
+        init_weights=init_steps,
         order=order,
     )
 

@@ -85,15 +85,13 @@ def layout_of(world_size: int, tp: int = 1, pp: int = 1, dp_shard: int | None = 
         )
     if world_size % (tp * pp):
         raise UserError(
-            f"{world_size} process(es) cannot be split into dist.tp={tp} x dist.pp={pp} "
-            f"(world size must be a multiple of {tp * pp})",
+            f"{world_size} process(es) cannot be split into dist.tp={tp} x dist.pp={pp}",
             f"start a multiple of {tp * pp} processes, or change dist.tp / dist.pp",
         )
     dp = world_size // (tp * pp)
     if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
         raise UserError(
-            f"dist.dp_shard={dp_shard} does not divide the {dp} data-parallel rank(s) of {world_size} process(es) "
-            f"with dist.tp={tp} dist.pp={pp}",
+            f"dist.dp_shard={dp_shard} does not divide the {dp} data-parallel rank(s) (dist.tp={tp} dist.pp={pp})",
             f"use a dist.dp_shard that divides {dp}",
         )
     return Layout(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)

@@ -149,4 +149,5 @@ ENTRY = StrategyEntry(
     with_pp=True,
     auto=("offload",),
     recognizes=_recognizes,
+    wraps_meta=True,
 )

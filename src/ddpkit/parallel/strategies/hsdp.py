@@ -45,4 +45,5 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     with_pp=True,
     hybrid=True,
+    wraps_meta=True,
 )

@@ -26,4 +26,5 @@ ENTRY = StrategyEntry(
     offloads=True,
     with_pp=True,
     auto=("tp",),
+    wraps_meta=True,
 )

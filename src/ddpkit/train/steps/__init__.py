@@ -29,7 +29,8 @@ RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[..., StepRunner]], ...] = (
 def build_runner(cfg: Any, ctx: Any, model: nn.Module, **parts: Any) -> StepRunner:
     """The runner of cfg's layout over `model` (split already by tensor parallelism and activation checkpointing):
     `parts` are the layout and mesh, the data's spec, the task, autocast, gradient scaler, device,
-    train.grad_accum_steps and model.channels_last."""
+    train.grad_accum_steps and model.channels_last, and `make`: what makes a model built on the meta device once
+    the runner has laid it out (parallel/materialize.py Materializer; None: the model has its values)."""
     build = next(build for takes, build in RUNNERS if takes(cfg))
     return build(cfg, ctx, model, **parts)
 

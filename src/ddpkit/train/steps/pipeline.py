@@ -108,9 +108,12 @@ class PipelineSteps(StepRunner):
         return self.task.val_fields(sums.tolist())
 
 
-def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, **step) -> PipelineSteps:
+def build(
+    cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, make: Any = None, **step
+) -> PipelineSteps:
     """This rank's stages of `model` and the runner feeding them (collective: builds the device mesh; `mesh`, the
-    plain runner's, is None here)."""
+    plain runner's, is None here). A model on the meta device is cut and split there, and `make` makes each of
+    this rank's stages (parallel/materialize.py): after FSDP2 shards them, before DDP wraps them."""
     d = cfg.dist
     coords = layout.coords(ctx.rank)
     mesh = build_mesh(layout, ctx.device.type)
@@ -122,6 +125,8 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
     if family.pp_stage is not None:  # the family cuts itself (a rank running several stages cuts copies)
         stages = [family.pp_stage(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages) for s in ids]
     else:  # traced at its split points on one micro-batch of images, so every batch through it has that size
+        if make is not None:  # the tracer runs the model: made whole first
+            model, make = make(model), None
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, spec.in_channels, spec.image_size, spec.image_size, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
@@ -131,7 +136,10 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
     ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
     name, shard = pipeline_strategy(d.strategy, layout), None
-    if not get_strategy(name).replicates:  # FSDP2 over the dp dim of each (tensor-parallel) stage
+    replicated = get_strategy(name).replicates
+    for stage in stages if make is not None and replicated else ():
+        make(stage)  # whole on each replica, before DDP broadcasts it
+    if not replicated:  # FSDP2 over the dp dim of each (tensor-parallel) stage
         sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard)
 
         def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
@@ -151,6 +159,8 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
         shared=shared,
         shard=shard,
     )
+    for stage in stages if make is not None and not replicated else ():
+        make(stage)  # each rank its FSDP2 shards only
     return PipelineSteps(runner, stages, layout, name, fixed, ctx, **step)
 
 

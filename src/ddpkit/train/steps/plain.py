@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ddpkit.data.prefetch import to_device
 from ddpkit.parallel.compression import Compression
+from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, ddp_options
 from ddpkit.train.tasks import Task, evaluate
@@ -96,10 +97,11 @@ class StepRunner:
 
 
 def build(
-    cfg: Any, ctx: Any, model: nn.Module, *, layout: Any, mesh: Any, spec: Any, **step: Any
+    cfg: Any, ctx: Any, model: nn.Module, *, layout: Any, mesh: Any, spec: Any, make: Any = None, **step: Any
 ) -> StepRunner:
     """The plain runner: the strategy over the data-parallel ranks (over the mesh's "dp" dim when tensor
-    parallelism or HSDP splits the ranks) wrapping the whole model."""
+    parallelism or HSDP splits the ranks) wrapping the whole model; a model on the meta device made by `make`
+    (parallel/materialize.py: after the wrap where that leaves each rank its shards only)."""
     strategy = build_strategy(
         cfg.dist.strategy,
         ctx,
@@ -113,7 +115,7 @@ def build(
     return StepRunner(
         model,
         strategy,
-        strategy.wrap(model),
+        wrap_made(strategy, model, make),
         (coords["dp"], layout.dp),  # tensor-parallel peers read the same samples
         counts=layout.counts(ctx.rank),
         collective_eval=layout.tp > 1,
