@@ -190,9 +190,8 @@ COVERED = {
     "out_dir=runs/bpe --nproc-per-node 2": f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe --prompt "import os" --temperature 0': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe/checkpoints/last.dcp --prompt "import os" --temperature 1.5 --top-k 50 --seed 1': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
-    "ddpkit train -c configs/text_gpt.yaml data.dataset=tokens data.root=bins data.vocab_size=256 "
-    "data.tokenizer_file=runs/bpe/tokenizer.json model.init_from=gpt2-tiny model.gelu_approximate=tanh "
-    "model.tie_embeddings=true out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train -c configs/text_gpt.yaml data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
+    "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     # docs/parallelism.md's 3-D lines: the layout on 8 processes with the tiny transformer, compared with one process

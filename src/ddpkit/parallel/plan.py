@@ -161,6 +161,7 @@ def build_strategy(
     mesh: Any = None,
     offload: str = "none",
     dp_shard: int | None = None,
+    amp: str = "none",
 ) -> Strategy:
     """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
     `compression` registers its gradient hook (strategies whose entry says `compression`).
@@ -168,6 +169,7 @@ def build_strategy(
     `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
     `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
     `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
+    `amp`: train.amp (bf16: FSDP2 gathers the parameters in bf16 and reduces the gradients in float32).
     """
     import torch.distributed as dist
 
@@ -179,7 +181,7 @@ def build_strategy(
     if entry.needs_group and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
     strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
-    strategy.mesh, strategy.offload = mesh, offload
+    strategy.mesh, strategy.offload, strategy.amp = mesh, offload, amp
     if dp_shard is not None:
         strategy.dp_shard = dp_shard
     return strategy

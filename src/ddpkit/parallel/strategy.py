@@ -199,6 +199,7 @@ class Strategy:
     name = "single"
     mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
     offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
+    amp = "none"  # train.amp: bf16 makes FSDP2's own mixed precision (fsdp, hsdp, zero2)
 
     def __init__(
         self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
@@ -237,6 +238,11 @@ class Strategy:
     def collective_forward(self) -> bool:
         """True when every forward is a collective (fsdp): all ranks must run the same number of them."""
         return False
+
+    def step_autocast(self, autocast: Callable[[], Any]) -> Callable[[], Any]:
+        """The autocast factory a step runs under: train.amp's (`autocast`), or none where the strategy casts
+        the parameters itself (FSDP2's mixed precision)."""
+        return autocast
 
     def sync_context(self, wrapped: nn.Module, sync: bool):
         """Gradient sync on (last micro-step) or off (the others)."""

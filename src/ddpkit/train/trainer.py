@@ -118,12 +118,9 @@ class Trainer:
             task=self.task, autocast=self.autocast, scaler=self.scaler, accum=cfg.train.grad_accum_steps,
             channels_last=cfg.model.channels_last,
         )  # fmt: skip
+        # (model.compile: the runner compiled each block, or the whole wrapped model)
         self.model, self.strategy, self.wrapped = self.runner.model, self.runner.strategy, self.runner.wrapped
         init_weights(cfg, self.strategy, self.wrapped, report=self.log.info)  # model.init_from, sliced
-        if cfg.model.compile:
-            # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
-            # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
-            self.wrapped.compile()
         # ranks of one tensor / pipeline group read the same samples: shards by the dp coordinate and degree
         replica, self.replicas = self.runner.replica
         self.train_loader, self.val_loader = data.build_loaders(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.atomicio import fsync_dir, umask
 from ddpkit.errors import UserError
 from ddpkit.models.hf.files import CONFIG, INDEX, WEIGHTS
 
@@ -142,10 +143,12 @@ def write_folder(out: Path, config: dict[str, Any], planned: list[Planned], max_
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's folder is the owner's alone
+        fsync_dir(tmp)
         if out.is_dir():
             out.rmdir()  # empty (the command checked): the complete folder takes its place
         os.rename(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -140,7 +140,8 @@ def build(
     for stage in stages if make is not None and replicated else ():
         make(stage)  # whole on each replica, before DDP broadcasts it
     if not replicated:  # FSDP2 over the dp dim of each (tensor-parallel) stage
-        sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard)
+        sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp)
+        step["autocast"] = sharding.step_autocast(step["autocast"])  # none where FSDP2 casts itself
 
         def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
             return sharding.shard(edges.stage, root=edges)

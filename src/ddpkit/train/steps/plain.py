@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit.data.prefetch import to_device
+from ddpkit.models import model_family
 from ddpkit.parallel.compression import Compression
 from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.plan import build_strategy
@@ -101,7 +102,9 @@ def build(
 ) -> StepRunner:
     """The plain runner: the strategy over the data-parallel ranks (over the mesh's "dp" dim when tensor
     parallelism or HSDP splits the ranks) wrapping the whole model; a model on the meta device made by `make`
-    (parallel/materialize.py: after the wrap where that leaves each rank its shards only)."""
+    (parallel/materialize.py: after the wrap where that leaves each rank its shards only). model.compile: each
+    block compiled before a sharded layout wraps it (FSDP2's gathers and tensor parallelism's collectives stay
+    outside the compiled graphs, as torchtitan does), else the whole wrapped model."""
     strategy = build_strategy(
         cfg.dist.strategy,
         ctx,
@@ -110,14 +113,26 @@ def build(
         mesh=mesh,
         offload=cfg.dist.offload,
         dp_shard=layout.dp_shard,
+        amp=cfg.train.amp,
     )
+    blocks = model_family(cfg.model.arch).checkpointed
+    per_block = blocks is not None and (layout.tp > 1 or "gradients" in strategy.entry.shards)
+    for block in blocks(model) if cfg.model.compile and per_block else ():
+        block.compile()  # in place: the parameter names (and checkpoints) stay the model's
+    wrapped = wrap_made(strategy, model, make)
+    if cfg.model.compile and not per_block:
+        # in place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep their
+        # keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph
+        wrapped.compile()
     coords = layout.coords(ctx.rank)
+    autocast = strategy.step_autocast(step.pop("autocast"))  # none where FSDP2 casts the parameters itself
     return StepRunner(
         model,
         strategy,
-        wrap_made(strategy, model, make),
+        wrapped,
         (coords["dp"], layout.dp),  # tensor-parallel peers read the same samples
         counts=layout.counts(ctx.rank),
         collective_eval=layout.tp > 1,
+        autocast=autocast,
         **step,
     )
