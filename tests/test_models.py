@@ -161,6 +161,7 @@ def test_a_model_family_is_one_registry_entry(request):
         "builtin",
         "gpt",
         "llama",
+        "mixtral",
         "qwen2",
         "qwen3",
         "mistral",

@@ -97,7 +97,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
-    family = models.model_family(cfg.model.arch)
+    family = models.model_family(cfg.model.arch, cfg.model)
     if not family.tokens:
         raise UserError(
             f"checkpoint '{source}' is of model.arch={cfg.model.arch}, an image classifier, not a language model",

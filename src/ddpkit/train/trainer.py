@@ -345,6 +345,7 @@ class Trainer:
             "speed": speed,
             "peak_memory": largest_peak_memory(self.device),
             "skipped": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            "routing": self.runner.routing_fields(),
         }
         step, world = self.state.step, self.ctx.world_size
         return make_row(

@@ -195,11 +195,12 @@ class Llama(nn.Module):
             self.head.weight = self.tok_emb.weight
         init_tensors(self, init_steps)  # from torch's global stream (nothing on the meta device)
 
-    def block(self, i: int) -> nn.Module:
-        """Block `i` of the stack (a family whose blocks differ, experts say, gives its own)."""
+    def block(self, i: int, mlp: nn.Module | None = None) -> nn.Module:
+        """Block `i` of the stack, its MLP `mlp` or a SwiGLU (a family whose blocks differ, experts say, gives its
+        own)."""
         return Block(
             self.n_embd, self.n_head, self.n_kv_head, self.ffn_hidden, self.rope_theta, self.norm_eps,
-            self.dropout, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
+            self.dropout, mlp, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
             qk_norm_eps=self.norm_eps if self.qk_norm else None, window=self.sliding_window,
         )  # fmt: skip
 

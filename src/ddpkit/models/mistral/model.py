@@ -12,4 +12,4 @@ class Mistral(Llama):
     """The Llama whose attention may slide (`sliding_window`)."""
 
 
-FAMILY = llama_shaped(CARD, Mistral, hf.CONVERTER, order=330, windowed=True)
+FAMILY = llama_shaped(CARD, Mistral, hf.CONVERTER, order=340, windowed=True)

@@ -17,4 +17,4 @@ class Qwen2(Llama):
         super().__init__(*args, qkv_bias=True, **kwargs)
 
 
-FAMILY = llama_shaped(CARD, Qwen2, hf.CONVERTER, order=310)
+FAMILY = llama_shaped(CARD, Qwen2, hf.CONVERTER, order=320)

@@ -18,4 +18,4 @@ class Qwen3(Llama):
         super().__init__(*args, qk_norm=True, **kwargs)
 
 
-FAMILY = llama_shaped(CARD, Qwen3, hf.CONVERTER, order=320)
+FAMILY = llama_shaped(CARD, Qwen3, hf.CONVERTER, order=330)
