@@ -404,7 +404,7 @@ def assert_parses(shown: str, words: list[str], launched_elsewhere: bool) -> Non
     from ddpkit.cli import _load, command_parser, parse
     from ddpkit.commands import COMMANDS
     from ddpkit.commands.run import _parser, split
-    from ddpkit.launcher.launch import spec_from_args
+    from ddpkit.launcher.spec import spec_from_args
 
     try:
         if COMMANDS[words[0]].mode == "script" and words[0] != "run":  # generate, export: their own flags

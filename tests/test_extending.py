@@ -96,7 +96,8 @@ import torch
 import torch.nn as nn
 
 from ddpkit.commands import Command
-from ddpkit.cluster.env import DistEnv, LauncherDetector
+from ddpkit.cluster.distenv import DistEnv
+from ddpkit.cluster.launchers import LauncherDetector
 from ddpkit.config.schema import opt
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod

@@ -17,12 +17,12 @@ import torch
 from conftest import REPO, assert_user_error, run_cli, run_group
 from ddpkit import data, models
 from ddpkit.commands import report
-from ddpkit.commands.report import drawing
 from ddpkit.config import load_config
 from ddpkit.data import text
 from ddpkit.errors import UserError
 from ddpkit.train import memory
 from ddpkit.train import metrics_file as metrics_schema
+from ddpkit.train.curves import drawing
 from ddpkit.train.metrics import read_metrics
 
 # a tiny GPT on the first 40 kB of the standard library's sources: a few steps, well under a second each
