@@ -92,6 +92,18 @@ def test_no_family_or_strategy_name_decides_outside_its_owners(tmp_path):
     assert _decided_names(SRC, names) == [], "ask the family or the strategy entry (docs/architecture.md)"
 
 
+def test_each_built_in_family_is_a_folder_of_its_own_with_a_torch_free_card():
+    # adding a family (Qwen, a mixture of experts) touches its folder and its name in FAMILY_FOLDERS only
+    from ddpkit.models import FAMILY_FOLDERS
+
+    heavy = _heavy_modules()
+    assert sorted(FAMILY_FOLDERS) == sorted(p.parent.name for p in (SRC / "models").glob("*/model.py"))
+    for folder in FAMILY_FOLDERS:
+        assert (SRC / "models" / folder / "keys.py").is_file(), folder
+        assert f"ddpkit.models.{folder}.keys" not in heavy, f"models/{folder}/keys.py must import no torch"
+    assert "ddpkit.models.gpt.model" in heavy  # the finder sees a family's torch
+
+
 def test_no_module_keeps_an_old_name_for_another():
     # 0.1.0 shipped no alias: a moved module or name lives at its new place only (no _moved.py table, no
     # module-level __getattr__ forwarding old names); the packages that load their public names lazily (so that
@@ -455,11 +467,6 @@ def test_two_test_processes_at_once_never_share_a_port_range():
 # In-function imports of a ddpkit module that imports the importing module back at its top (directly or through
 # other modules): a cycle dodged, not removed. Each entry says what must move; the list only shrinks.
 DODGED_CYCLES: dict[str, str] = {}
-
-
-def _module_name(path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _ddpkit_targets(node, modules) -> set[str]:
