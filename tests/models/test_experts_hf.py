@@ -146,12 +146,12 @@ def test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_b
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory):
     """A tiny transformers Qwen3-MoE (4 experts, top-2, weights not renormalized): block 0 a dense SwiGLU, block 1
-    of experts (decoder_sparse_step=2), the heads' q and k norms."""
+    of experts (decoder_sparse_step=2), the heads' q and k norms, heads of 16 (not hidden_size / heads = 8)."""
     path = tmp_path_factory.mktemp("qwen3_moe") / "hf"
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         **TINY, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=2, norm_topk_prob=False,
+        decoder_sparse_step=2, norm_topk_prob=False, head_dim=16,
     )  # fmt: skip
     model = transformers.Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # norms away from 1, so that reading them matters
@@ -170,6 +170,7 @@ def test_a_qwen3_moe_folder_reads_trains_and_writes_with_transformers_logits(qwe
     theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(qwen3_moe).eval()
     model = ddpkit.load_model(qwen3_moe)
     assert type(model).__name__ == "Qwen3Moe" and model.moe_every == 2 and not model.moe_norm_topk
+    assert model.head_dim == 16
     assert tuple(model.blocks["1"].mlp.experts.down.shape) == (4, 32, 24)
     x = torch.randint(0, 64, (2, 12))
     want = _logits(theirs, x)

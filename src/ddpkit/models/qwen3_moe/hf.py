@@ -12,7 +12,7 @@ from typing import Any
 
 from ddpkit.models.family import HFConverter, HFFixed, HFKey, HFTensor
 from ddpkit.models.keys import moe_blocks
-from ddpkit.models.llama.hf import FIXED, KEYS, LLAMA_PARTS, llama_check, llama_extra
+from ddpkit.models.llama.hf import FIXED, KEYS, LLAMA_PARTS, llama_extra, llama_ignored
 from ddpkit.models.mixtral.hf import ATTENTION, expert_tensors, refuse_unheld
 
 EXPERTS = {
@@ -24,7 +24,7 @@ DENSE = {ours: theirs for ours, theirs in LLAMA_PARTS.items() if ours.startswith
 HEAD_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 
 QWEN3_MOE_KEYS = (
-    *KEYS,  # intermediate_size is the dense blocks' SwiGLU width
+    *KEYS,  # intermediate_size is the dense blocks' SwiGLU width; no head_dim: hidden_size / heads, as its reader
     HFKey("model.n_experts", ("num_local_experts", "num_experts")),
     HFKey("model.experts_per_token", "num_experts_per_tok", default=8),
     HFKey("model.moe_ffn_hidden", "moe_intermediate_size"),
@@ -69,8 +69,7 @@ CONVERTER = HFConverter(
     "Qwen3-MoE",
     keys=QWEN3_MOE_KEYS,
     fixed=QWEN3_MOE_FIXED,
-    check=llama_check,
     tensors=qwen3_moe_tensors,
-    ignored=lambda m: (r"\.rotary_emb\.inv_freq$", *((r"^lm_head\.weight$",) if m.tie_embeddings else ())),
+    ignored=llama_ignored,
     extra=qwen3_moe_extra,
 )
