@@ -194,8 +194,8 @@ COVERED = {
     "ddpkit train -c configs/text_gpt.yaml data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
     "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
-    "ddpkit train data.dataset=tokens data.root=bins model.init_from=mixtral-tiny dist.ep=2 out_dir=runs/moe "
-    "--nproc-per-node 2": f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back",
+    "ddpkit train -c configs/text_llama.yaml data.dataset=tokens data.root=bins model.init_from=mixtral-tiny "
+    "dist.ep=2 out_dir=runs/moe --nproc-per-node 2": f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back",
     "ddpkit export runs/moe --to hf runs/moe-hf": (
         f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back"
     ),
@@ -215,12 +215,13 @@ COVERED = {
     # docs/parallelism.md's expert-parallel lines, the same layouts on the tiny mixture of experts
     **dict.fromkeys(
         (
-            "ddpkit train model.arch=llama model.n_experts=4 model.experts_per_token=2 data.dataset=text dist.ep=2 "
+            "ddpkit train -c configs/text_llama.yaml model.n_experts=4 model.experts_per_token=2 dist.ep=2 "
             "--nproc-per-node 2",
-            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.strategy=fsdp "
-            "--nproc-per-node 4",
-            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.tp=2 --nproc-per-node 4",
-            "ddpkit train model.arch=llama model.n_experts=4 data.dataset=text dist.ep=2 dist.pp=2 --nproc-per-node 4",
+            *(
+                f"ddpkit train -c configs/text_llama.yaml model.n_experts=4 dist.ep=2 {layout} --nproc-per-node 4 "
+                "--oversubscribe"
+                for layout in ("dist.strategy=fsdp", "dist.tp=2", "dist.pp=2")
+            ),
         ),
         "tests/parallel/test_experts.py::"
         "test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts",
