@@ -50,7 +50,7 @@ from ddpkit.train.metrics_file import EpochEnd, make_row, measured
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.steps import StepRunner, build_runner
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
-from ddpkit.train.tasks import Task, evaluate, task_for  # noqa: F401  (evaluate: ddpkit.evaluate's module)
+from ddpkit.train.tasks import Task, task_for
 from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
@@ -345,6 +345,7 @@ class Trainer:
             "speed": speed,
             "peak_memory": largest_peak_memory(self.device),
             "skipped": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            "routing": self.runner.routing_fields(),
         }
         step, world = self.state.step, self.ctx.world_size
         return make_row(
@@ -391,4 +392,4 @@ class Trainer:
                 self.heartbeat.close()
 
 
-__all__ = ["Trainer", "evaluate"]
+__all__ = ["Trainer"]
