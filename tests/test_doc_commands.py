@@ -195,6 +195,11 @@ COVERED = {
     },
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
     "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
+    # docs/run-dir.md: checkpoints in the background, the Trainer of this line on 2 pooled ranks (6 steps, resumed)
+    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=fsdp checkpoint.format=sharded "
+    "checkpoint.async_save=true --nproc-per-node 2": (
+        "tests/checkpoint/test_async_checkpoint.py::test_background_saves_on_two_ranks_resume_exactly"
+    ),
     # docs/parallelism.md's HSDP and 3-D lines, on the tiny transformer, compared with one process
     "ddpkit train model.arch=gpt data.dataset=text dist.strategy=hsdp dist.dp_shard=2 --nproc-per-node 4": (
         "tests/parallel/test_3d.py::test_hsdp_2x2_and_zero2_over_a_pipeline_with_accumulation_equal_one_process"

@@ -49,6 +49,7 @@ class EpochEnd:
     speed: dict[str, Any]  # flops_per_token, tflops_per_s_per_rank and mfu (models.flops.fields)
     peak_memory: int  # the largest peak memory of the ranks (train.memory.largest_peak_memory: collective)
     skipped: int  # undecodable samples left out in the epoch, all ranks (data.skipped_in_epoch: collective)
+    stall: float = 0.0  # seconds training was blocked by checkpointing in the epoch so far
 
 
 _F, _I, _S = float, int, str
@@ -157,6 +158,16 @@ FIELDS: tuple[Field, ...] = (
         "undecodable training and validation samples left out in the epoch, all ranks (`data.skip_corrupt=true`; "
         "log.txt names their files); always 0 otherwise, since an undecodable sample then stops the run",
         value=lambda e: e.skipped,
+    ),
+    Field(
+        "checkpoint_stall_s",
+        _F,
+        "seconds training was blocked by checkpointing in the epoch (rank 0's): its checkpoints inside it (checkpoint.every_*) "
+        "and the one at its end; with `checkpoint.async_save=true` only the waits for the save in flight (the next "
+        "save, a stop and the run's end wait for it) and the staging of each save's state, the write itself "
+        "running in the background (the line a checkpoint carries, restored after a crash, counts up to that "
+        "checkpoint)",
+        value=lambda e: round(e.stall, 4),
     ),
     Field(
         "startup_s",
