@@ -1,7 +1,7 @@
 """Checkpoints in the background, measured: the seconds training is blocked by checkpointing (the metrics field
 checkpoint_stall_s, summed over the run) with blocking sharded saves and with checkpoint.async_save=true.
 
-Each run is one `ddpkit train` of a Llama of about 63M parameters (10 blocks, width 768, 12 heads, 4 key/value
+Each run is one `ddpkit train` of a Llama of about 63M parameters (by default: 10 blocks, width 768, 12 heads, 4 key/value
 heads; AdamW, so a checkpoint holds the weights and two moments: about 0.76 GB) on the built-in text data,
 --steps optimizer steps with a sharded checkpoint after every step (checkpoint.every_steps=1, and the epoch's at
 the end: the last one is waited for before the run's last line). The two settings run in alternated rounds;
@@ -9,6 +9,7 @@ the table gives each round's summed stall, wall time and training time (the sum 
 ratio of the medians.
 
     python benchmarks/checkpoint_stall.py
+    python benchmarks/checkpoint_stall.py --layers 6 --width 480 --steps 4 --rounds 1
     python benchmarks/checkpoint_stall.py --nproc 2 --strategy fsdp --rounds 2 --json stall.json
 """
 
@@ -28,8 +29,6 @@ from _common import machine, machine_line, md_table, python, read_jsonl, run_mea
 
 MODEL = [
     "model.arch=llama",
-    "model.n_layer=10",
-    "model.n_embd=768",
     "model.n_head=12",
     "model.n_kv_head=4",
     "data.dataset=text",
@@ -41,7 +40,16 @@ MODEL = [
 
 
 def command(args, out: Path, background: bool) -> list[str]:
-    cmd = [python(), "-m", "ddpkit", "train", *MODEL, f"out_dir={out}", f"train.batch_size={args.batch}"]
+    cmd = [
+        python(),
+        "-m",
+        "ddpkit",
+        "train",
+        *MODEL,
+        f"model.n_layer={args.layers}",
+        f"model.n_embd={args.width}",
+    ]
+    cmd += [f"out_dir={out}", f"train.batch_size={args.batch}"]
     cmd += [f"train.max_steps={args.steps}", "train.epochs=1", f"dist.strategy={args.strategy}"]
     cmd += [
         "checkpoint.format=sharded",
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run, one checkpoint after each")
     ap.add_argument("--batch", type=int, default=4, help="train.batch_size (blocks of 128 characters)")
+    ap.add_argument("--layers", type=int, default=10, help="model.n_layer")
+    ap.add_argument("--width", type=int, default=768, help="model.n_embd (a multiple of 12 heads)")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
@@ -90,7 +100,8 @@ def main(argv=None) -> int:
                 )
     print(machine_line(info))
     print(
-        f"{args.steps} steps of {args.batch} blocks, {args.nproc} process(es), dist.strategy={args.strategy}"
+        f"llama {args.layers} blocks, width {args.width}; {args.steps} steps of {args.batch} blocks, "
+        f"{args.nproc} process(es), dist.strategy={args.strategy}"
     )
     rows = [
         [i // 2 + 1, r["setting"], r["stall_s"], r["train_s"], r["wall_s"], f"{r['load1']:.1f}"]
