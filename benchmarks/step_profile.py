@@ -26,6 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_bound import LR, MOMENTUM, SEED, WEIGHT_DECAY, data_overrides  # noqa: E402
 
+RESNET_SIZE = 512  # resnet18 on 32x32 synthetic images: 8 steps of 64 an epoch
+
+
+def net_overrides(net: str) -> list[str]:
+    """launch_bound's data and net keys; resnet18 on its synthetic images (the overhead benchmark's work)."""
+    if net != "resnet18":
+        return data_overrides(net, 0)
+    keys = [o for o in data_overrides("mlp", 0) if not o.startswith(("model.arch=", "data.synthetic_size="))]
+    return [*keys, "model.arch=resnet18", f"data.synthetic_size={RESNET_SIZE}"]
+
 
 def trainer_epochs(out_dir: str, net: str, batch: int, epochs: int):
     """A 1-process Trainer, and a function that trains `epochs` more epochs of it (returns steps, seconds)."""
@@ -34,7 +44,7 @@ def trainer_epochs(out_dir: str, net: str, batch: int, epochs: int):
     from ddpkit.train.trainer import Trainer
 
     overrides = [
-        *data_overrides(net, 0),
+        *net_overrides(net),
         f"out_dir={out_dir}",
         f"train.batch_size={batch}",
         "train.epochs=1000",
@@ -110,7 +120,7 @@ def profiled(run, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--net", choices=("digits", "mlp"), default="digits")
+    p.add_argument("--net", choices=("digits", "mlp", "resnet18"), default="digits")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3, help="epochs per timed round")
     p.add_argument("--rounds", type=int, default=3)

@@ -45,13 +45,38 @@ def test_each_ending_is_one_line_and_its_exit_code(monkeypatch, capsys, error, c
 
 
 def test_failed_workers_exit_1_and_are_named_unless_all_failed_on_a_user_error():
-    err = _failure({1: 7, 0: -9}, 2)
-    assert str(err) == "worker rank 0 (killed by SIGKILL), rank 1 (exit code 7) failed after 2 restart(s)"
+    err = _failure({1: 7, 0: 3}, 2)
+    assert str(err) == "worker rank 0 (exit code 3), rank 1 (exit code 7) failed after 2 restart(s)"
     assert (err.exit_code, err.report) == (1, True)
+    # a rank that died of a signal is the cause, named first (rank 5 was killed by SIGKILL), before the others
+    assert (
+        str(_failure({1: 7, 0: -9}, 2))
+        == "rank 0 was killed by SIGKILL after 2 restart(s); then rank 1 (exit code 7)"
+    )
     said_why = _failure({0: 2, 1: 2}, 0)  # each worker printed its own `ddpkit: error:` line already
     assert (said_why.exit_code, said_why.report) == (2, False)
     assert (_failure({0: 2, 1: 1}, 0).exit_code, _failure({0: 3, 1: 1}, 0).exit_code) == (1, 1)
     assert (_failure({0: 7, 1: 7}, 0).exit_code, _failure({0: -9, 1: -9}, 0).exit_code) == (7, 1)
+
+
+def test_the_rank_that_died_is_named_before_the_ranks_that_gave_up_waiting_for_it():
+    waited = {
+        r: f"rank {r} gave up on a collective at step 8 (Connection reset by peer)" for r in (0, 1, 3, 4)
+    }
+    codes = {0: 1, 1: 1, 3: 1, 4: 1, 5: -9, 2: -15, 6: -15, 7: -15}
+    err = _failure(codes, 0, ended_by_us=frozenset({2, 6, 7}), gave_up=waited)
+    assert str(err) == (
+        "rank 5 was killed by SIGKILL at step 8; then ranks 0, 1, 3, 4 (exit code 1), ranks 2, 6, 7 (killed by "
+        "SIGTERM); the errors of the ranks that waited for it are in log.txt"
+    )
+    assert err.exit_code == 1
+    # a rank that failed on its own while the others waited for it is named first too
+    assert str(_failure({0: 1, 1: 1}, 0, gave_up={0: waited[0]})).startswith(
+        "rank 1 failed (exit code 1) at step 8"
+    )
+    # no rank died: the first rank that gave up says which one stopped responding
+    stalled = {0: "rank 0 gave up on a collective at step 8 (timed out); stopped responding: rank 1"}
+    assert str(_failure({0: 1, 1: -15}, 0, ended_by_us=frozenset({1}), gave_up=stalled)) == stalled[0]
 
 
 def test_a_command_that_succeeds_exits_0(capsys):

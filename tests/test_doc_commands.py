@@ -157,9 +157,8 @@ COVERED = {
     "out_dir=runs/bpe --nproc-per-node 2": f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe --prompt "import os" --temperature 0': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe/checkpoints/last.dcp --prompt "import os" --temperature 1.5 --top-k 50 --seed 1': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
-    "ddpkit train model.arch=gpt data.dataset=tokens data.root=bins data.vocab_size=256 "
-    "data.tokenizer_file=runs/bpe/tokenizer.json model.init_from=gpt2-tiny model.gelu_approximate=tanh "
-    "model.tie_embeddings=true out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
+    "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
     "model.activation_checkpointing=full --nproc-per-node 2": (

@@ -388,6 +388,8 @@ DEFERRED: dict[str, str] = {
     "ddpkit.models -> ddpkit.models.weights": "model.arch is checked without torch",
     "ddpkit.parallel.compression_method -> ddpkit.parallel.powersgd": "dist.grad_compression is checked without torch",
     "ddpkit.parallel.plan -> ddpkit.models.blocks": "the layout is planned before workers start, without torch",
+    "ddpkit.parallel.strategies.ddp -> ddpkit.parallel.experts.apply": "a strategy's entry is read without torch",
+    "ddpkit.parallel.strategies.fsdp -> ddpkit.parallel.experts.apply": "a strategy's entry is read without torch",
     "ddpkit.parallel.strategies.zero1 -> ddpkit.parallel.optimizer": "a strategy's entry is read without torch",
     "ddpkit.parallel.strategy -> ddpkit.checkpoint.sharded": "a strategy's entry is read without torch",
     "ddpkit.parallel.strategy -> ddpkit.checkpoint.state_dict": "a strategy's entry is read without torch",

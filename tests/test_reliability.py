@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_user_error, cli_env, finish, run_cli, start, wait_for
+from conftest import GPT_RUN, GPT_TEXT, assert_user_error, cli_env, finish, run_cli, start, wait_for
 from ddpkit.checkpoint import load_checkpoint
 from ddpkit.launcher.signals import worker_pids as workers
 from ddpkit.train.metrics import read_metrics
@@ -141,6 +141,61 @@ def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
     assert elapsed < timeout_s + 20, elapsed
     lines = [ln for ln in err.splitlines() if ln.startswith("ddpkit: error:")]
     assert any("stopped responding: rank 1" in ln and "at step" in ln for ln in lines), err[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of `rank` of the job `launcher` started, from its job folder (diagnostics/stacks.py)."""
+    import tempfile
+
+    for path in Path(tempfile.gettempdir()).glob(f"ddpkit-job-{launcher}-*/rank{rank}.pid"):
+        return int(path.read_text().split()[0])
+    return None
+
+
+def _kill_rank_mid_run(out: Path, nproc: int, rank: int, tp: int, env: dict) -> tuple[int, str]:
+    """A 3-D GPT (pipeline of 2 stages, fsdp, tp) on `nproc` processes, `rank` SIGKILLed once it has trained
+    a step -> (exit status, stderr)."""
+    corpus = out.parent / "corpus.txt"
+    corpus.write_text(GPT_TEXT)
+    layout = ["dist.strategy=fsdp", f"dist.tp={tp}", "dist.pp=2", "train.epochs=100", "--oversubscribe"]
+    proc = start(out, *GPT_RUN, f"data.root={corpus}", *layout, "--nproc-per-node", str(nproc), env=env)
+    try:
+        wait_for(
+            lambda: "step" in ((out / "log.txt").read_text() if (out / "log.txt").exists() else ""), proc=proc
+        )
+        wait_for(lambda: _rank_pid(proc.pid, rank) is not None, proc=proc)
+        os.kill(_rank_pid(proc.pid, rank), signal.SIGKILL)
+        rc, _, err = finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, err
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_named_first_and_the_others_errors_go_to_log_txt(tmp_path):
+    # The issue's case is 8 ranks (fsdp x tp2 x pp2); 4 warm ranks (tp2 x pp2) and 2 cold ones (pp2) show the
+    # same: before, the job's lines named a rank that gave up waiting ("rank 3 gave up ... Connection reset by
+    # peer"), one per rank (warm), and the pipeline's wrapped errors came as tracebacks (cold: 116 lines).
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = [
+        (tmp_path / "warm" / "run", 4, 2, 2, {}),
+        (tmp_path / "cold" / "run", 2, 1, 1, {"DDPKIT_WARM_START": "0"}),
+    ]
+    for out, *_ in runs:
+        out.parent.mkdir()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ended = list(pool.map(lambda run: _kill_rank_mid_run(*run), runs))
+    for (out, _, rank, _, _), (rc, err) in zip(runs, ended, strict=True):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 1 and len(lines) == 1, err[-4000:]
+        assert re.match(rf"ddpkit: error: rank {rank} was killed by SIGKILL at step \d+; then ", lines[0]), (
+            lines
+        )
+        assert "the errors of the ranks that waited for it are in log.txt" in lines[0]
+        assert re.search(r"rank \d gave up on a collective at step \d+", (out / "log.txt").read_text())
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ COMM_TAMPER = "DDPKIT_COMM_TAMPER"
 LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 JOB_DIR = "DDPKIT_JOB_DIR"
 WARNINGS_PER_RANK = "DDPKIT_WARNINGS_PER_RANK"
+WORKER_EXITS = "DDPKIT_WORKER_EXITS"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.launchers",
@@ -51,6 +52,8 @@ CHANNELS: tuple[Channel, ...] = (
             "set: torch's agent and store keep their own log lines"),
     Channel(JOB_DIR, "diagnostics.stacks (the launcher, while workers run)", "diagnostics.stacks (workers)",
             "the launcher's job folder: each worker leaves its pid, its SIGUSR2 stack dumps and its error line"),
+    Channel(WORKER_EXITS, "launcher.warm_start (the launcher, for its fork server)", "launcher.warm_server",
+            "a folder where the fork server writes each worker's exit status (PID: status), as the launcher cannot wait for its grandchildren"),
     Channel(WARNINGS_PER_RANK, "the user", "diagnostics.warn_once (workers)",
             "'1': every rank prints its own warnings, as plain torchrun does (default: a warning once for the job)"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",

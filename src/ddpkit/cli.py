@@ -17,7 +17,7 @@ from ddpkit.cluster.env import DistEnv, detect_env, manual_env
 from ddpkit.commands import COMMANDS, Command, CommandParser, all_commands, get_command
 from ddpkit.config import describe_keys, load_config
 from ddpkit.diagnostics import stacks
-from ddpkit.errors import Failure, UserError, describe_os_error, escaped
+from ddpkit.errors import CollectiveFailure, Failure, UserError, describe_os_error, escaped, printed
 from ddpkit.launcher import startup, warm_start
 from ddpkit.launcher.elastic import launch_elastic
 from ddpkit.launcher.launch import launch_spawn, start_warm
@@ -201,11 +201,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = run(argv)
     except UserError as e:
         if not stacks.say_error(f"ddpkit: error: {e.line()}"):  # a worker's: its launcher says it once
-            print(f"ddpkit: error: {e.line()}", file=sys.stderr, flush=True)
+            print(printed("ddpkit: error: ", e), file=sys.stderr, flush=True)
         code = e.exit_code
     except Failure as e:
-        if e.report:  # one line for the job: the raiser decided whether this process says it
-            print(f"{e.prefix}{escaped(str(e))}", file=sys.stderr, flush=True)
+        line = f"{e.prefix}{escaped(str(e))}"
+        # a rank that gave up on a collective under ddpkit's launcher: its launcher names the cause instead
+        left = isinstance(e, CollectiveFailure) and stacks.say_error(line, kind="comm")
+        if e.report and not left:  # one line for the job: the raiser decided whether this process says it
+            print(line, file=sys.stderr, flush=True)
         code = e.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ its line (`report`), so a job of N ranks prints one line, not N.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 
@@ -26,6 +27,23 @@ class UserError(Exception):
 
     def line(self) -> str:
         return escaped(f"{self.what} ({self.hint})" if self.hint else self.what)
+
+
+LINE_LIMIT = 200  # the most characters of an error line, besides the paths it names
+
+
+def _paths(text: str) -> int:
+    """How many characters of `text` are paths: quoted ones with a slash, or bare absolute ones."""
+    return sum(len(m) for m in re.findall(r"'[^']*/[^']*'|(?<![\w'])/[^\s']+", text))
+
+
+def printed(prefix: str, e: UserError) -> str:
+    """The text the CLI prints for `e`: `PREFIX WHAT (HINT)` on one line, or, when that is over LINE_LIMIT
+    characters besides its paths, the advice on a second line (`  (HINT)`)."""
+    line = prefix + e.line()
+    if e.hint is None or len(line) - _paths(line) <= LINE_LIMIT:
+        return line
+    return f"{prefix}{escaped(e.what)}\n  ({escaped(e.hint)})"
 
 
 def escaped(text: str) -> str:
@@ -52,6 +70,11 @@ class Failure(Exception):
 
 class WorkerFailure(Failure):
     """One or more workers of a launched job failed, or this rank gave up on a collective; names the ranks."""
+
+
+class CollectiveFailure(WorkerFailure):
+    """This rank gave up on a collective (a peer died, hung or was cut off): not the job's cause. Under ddpkit's
+    launcher its line goes to log.txt and the launcher's job folder, and the launcher's one line names the cause."""
 
 
 class TrainingFailure(Failure):

@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
     ids[len(ids) * 9 // 10 :].tofile(base / "bins" / "val.bin")
     ref = tiny_gpt2(base / "gpt2-tiny", tok.get_vocab_size())
     second = run_cli(
-        *doc_line("ddpkit train model.arch=gpt data.dataset=tokens"), *TINY, "train.max_steps=2",
+        *doc_line("ddpkit train data.dataset=tokens"), *TINY, "train.max_steps=2",
         "optim.lr=1e-9", "train.peak_tflops=0.002", timeout=600, cwd=base,
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]

@@ -332,3 +332,90 @@ def test_init_distributed_in_a_multiprocessing_child_without_a_launcher_is_refus
         and "rank= and world_size=" in proc.stdout
         and "ddpkit.launch" in proc.stdout
     )
+
+
+# The same script under torchrun, ddpkit run's warm workers and its workers started as programs
+# (DDPKIT_WARM_START=0): what `python SCRIPT` gives a script is what each of them gives it.
+
+AS_PYTHON = """\
+import faulthandler, json, os, sys
+import helper  # beside the script's real file, not beside the symlink it is reached through
+rank = os.environ["RANK"]
+record = {"argv0": sys.argv[0], "file": __file__, "path0": sys.path[0], "helper": helper.__file__,
+          "stdin": sys.stdin.read() if rank == "0" else None, "faulthandler": faulthandler.is_enabled(),
+          "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read()}
+with open(os.path.join(os.environ["PROBE_DIR"], rank + ".json"), "w") as fh:
+    json.dump(record, fh)
+"""
+SETS_THREADS = """\
+import json, os, sys
+os.environ["OMP_NUM_THREADS"] = "2"  # before torch is imported: torch reads it as it loads
+import torch
+with open(os.path.join(os.environ["PROBE_DIR"], os.environ["RANK"] + ".json"), "w") as fh:
+    json.dump({"threads": torch.get_num_threads(),
+               "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read()}, fh)
+"""
+LAUNCHERS = {
+    "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone"], {}),
+    "warm": ([sys.executable, "-m", "ddpkit", "run"], {}),
+    "cold": ([sys.executable, "-m", "ddpkit", "run"], {"DDPKIT_WARM_START": "0"}),
+}
+
+
+def under_each_launcher(tmp_path: Path, nproc: int, script: str) -> dict[str, dict[int, dict]]:
+    """`LAUNCHER --nproc-per-node N SCRIPT` (typed relative to tmp_path, fed 'hello' on stdin) under each of
+    LAUNCHERS, two at a time -> each launcher's records by rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def launch(name: str) -> dict[int, dict]:
+        (tmp_path / name).mkdir()
+        command, extra = LAUNCHERS[name]
+        proc = subprocess.run(
+            [*command, "--nproc-per-node", str(nproc), script],
+            input="hello\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env=cli_env({"PROBE_DIR": str(tmp_path / name), **extra}),
+        )
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        return {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / name).glob("*.json")}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(LAUNCHERS, pool.map(launch, LAUNCHERS), strict=True))
+
+
+@pytest.mark.slow
+def test_argv0_the_path_and_stdin_are_those_python_gives_under_torchrun_warm_and_cold(tmp_path):
+    # Before: under ddpkit run sys.argv[0] was made absolute, sys.path[0] was the symlink's folder (the import
+    # beside the real file failed: exit 1), a warm worker's stdin was /dev/null and faulthandler was enabled.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "probe.py").write_text(AS_PYTHON)
+    (tmp_path / "real" / "helper.py").write_text("")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "link.py").symlink_to("../real/probe.py")
+    runs = under_each_launcher(tmp_path, 2, "scripts/link.py")
+    assert [r["forked"] for r in runs["warm"].values()] == [True, True]  # the warm workers are forks
+    for name, records in runs.items():
+        assert sorted(records) == [0, 1], name
+        for rank, record in records.items():
+            record.pop("forked")
+            assert record == runs["torchrun"][rank], (name, rank)
+    assert runs["warm"][0] == {
+        "argv0": "scripts/link.py",
+        "file": str(tmp_path / "scripts" / "link.py"),
+        "path0": str(tmp_path / "real"),
+        "helper": str(tmp_path / "real" / "helper.py"),
+        "stdin": "hello\n",
+        "faulthandler": False,
+    }
+
+
+@pytest.mark.slow
+def test_a_script_that_sets_omp_num_threads_before_torch_gets_them_under_torchrun_warm_and_cold(tmp_path):
+    # Before: 1 thread under ddpkit run's warm workers (torch was imported by the fork server), 2 under torchrun.
+    (tmp_path / "threads.py").write_text(SETS_THREADS)
+    runs = under_each_launcher(tmp_path, 1, "threads.py")
+    assert {name: records[0]["threads"] for name, records in runs.items()} == dict.fromkeys(LAUNCHERS, 2)
+    assert runs["warm"][0]["forked"] is False  # such a script's workers start as programs

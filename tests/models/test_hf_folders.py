@@ -273,3 +273,23 @@ def test_a_checkpoint_with_a_tensor_the_model_does_not_use_is_refused_not_droppe
     save_checkpoint({"model": sd, "config": config.to_dict(cfg)}, tmp_path / "y.pt")
     with pytest.raises(UserError, match=r"y.pt' lacks ln_f.weight"):
         ddpkit.load_model(tmp_path / "y.pt")
+
+
+def test_load_model_on_the_meta_device_checks_the_folder_and_keeps_its_values_for_later(llama_dir):
+    """load_model under `with torch.device("meta")` (as ddpkit.prepare calls a builder) builds the model without
+    memory and reads nothing: values_of(model) gives the folder's values, read when the model is laid out."""
+    import ddpkit
+    from ddpkit.models.loading import values_of
+
+    with torch.device("meta"):
+        model = ddpkit.load_model(llama_dir[0])
+    assert all(t.is_meta for t in model.state_dict().values())
+    model.to_empty(device="cpu")
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, piece in values_of(model).pieces(own):
+            own[name].copy_(piece)
+    x = torch.randint(0, 40, (1, 8))
+    with torch.no_grad():
+        assert (model(x) - llama_dir[1](x).logits).abs().max() < 1e-4
+    assert values_of(ddpkit.load_model(llama_dir[0])) is None  # with memory: filled at once

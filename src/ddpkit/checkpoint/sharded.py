@@ -46,6 +46,11 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return p.is_dir() and ((p / dcp_io.METADATA).is_file() or (p / SIDE).is_file())
 
 
+def model_sd_names(keys: Any) -> list[str]:
+    """The model's tensor names among a folder's keys (`model.NAME`)."""
+    return [k[len(MODEL) :] for k in keys if k.startswith(MODEL)]
+
+
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
@@ -263,6 +268,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: Any, side: dict)
     path = Path(path)
     md = dcp_io.read_metadata(path)
     template = {MODEL + k: v for k, v in get_model_state_dict(module).items()}
+    sd_mod.check_unused(model_sd_names(template), model_sd_names(dcp_io.tensor_entries(md)))
     _dcp_load(path, template)
     model_sd = {k[len(MODEL) :]: v for k, v in template.items()}
     if sd_mod.has_dtensor(module):

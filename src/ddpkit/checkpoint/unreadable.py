@@ -27,4 +27,4 @@ def unreadable_reason(e: BaseException) -> str:
     ):
         if needle in text:
             return reason
-    return f"{type(e).__name__}: {first_line(text, limit=150)}"
+    return f"{type(e).__name__}: {first_line(text, limit=70)}"

@@ -193,19 +193,12 @@ def choose(host: str, spans_nodes: bool, environ=os.environ) -> Interface:
     own = host_address()
     if own and not is_loopback(own):
         return Interface("default", own, "default")
-    why = (
-        "it does not resolve here, or no route reaches it"
-        if src is None
-        else "it resolves to loopback here, and no single other interface is up or has the default route"
-    )
+    why = "it does not resolve or has no route" if src is None else "no single outward interface"
     if not sys.platform.startswith("linux"):
-        why = "ddpkit chooses interfaces on Linux only"
+        why = "interfaces are chosen on Linux only"
     raise UserError(
-        f"this host's name '{socket.gethostname()}' resolves to the loopback address {own or '(none)'}, "
-        f"which the other nodes cannot reach, and no network interface could be chosen for the master "
-        f"address {host} ({why})",
-        "set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface of the cluster network "
-        "(`ip -br addr` lists them), or map the host name to its network address in /etc/hosts",
+        f"this host's name resolves to the loopback address {own or '(none)'}; {host}: {why}",
+        "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, or map the name in /etc/hosts",
     )
 
 

@@ -115,14 +115,14 @@ def run_command(argv: Sequence[str]) -> int:
     spec = spec_from_args(args)
     if spec.init_method is not None:
         raise UserError(
-            "ddpkit run does not take --init-method: a script reads the rendezvous from MASTER_ADDR/MASTER_PORT",
+            "ddpkit run does not take --init-method: a script reads MASTER_ADDR/MASTER_PORT",
             "start each rank with MASTER_ADDR=HOST MASTER_PORT=PORT RANK=R WORLD_SIZE=W ddpkit run SCRIPT",
         )
     _check_target(target)
     local_rank.arrange(args.pass_local_rank, target)
     if not spec.starts_workers:
         _exec(target)
-    warm = start_warm(spec, SCRIPT_WORKER)
+    warm = start_warm(spec, SCRIPT_WORKER, script=target)
     import torch
 
     from ddpkit.distributed.runtime import check_cpu_processes

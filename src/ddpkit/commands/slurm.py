@@ -64,8 +64,8 @@ def _check_time(limit: str | None, signal_before: int) -> None:
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if signal_before >= total:
         raise UserError(
-            f"--signal-before {signal_before} is not shorter than --time {limit} ({total} s): the warning would come "
-            "as the job starts",
+            f"--signal-before {signal_before} is not shorter than --time {limit} ({total} s): the warning would "
+            "come at the start",
             f"use a --signal-before below {total}, e.g. {max(total // 10, 1)}, or a longer --time",
         )
 

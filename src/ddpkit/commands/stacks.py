@@ -53,7 +53,7 @@ def stacks_command(argv: Sequence[str]) -> int:
         which = f"with pid {args.pid} " if args.pid is not None else ""
         raise UserError(
             f"no ddpkit launcher {which}with running workers was found for this user on this host",
-            "start the job with `ddpkit run/train --nproc-per-node N`; a rank's own stack: kill -USR2 RANK_PID",
+            "start it with `ddpkit run/train --nproc-per-node N`; one rank's stack: kill -USR2 PID",
         )
     for pid, job in sorted(found.items()):
         ranks = live(job)

@@ -227,6 +227,12 @@ class DistConfig(Section):
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
     dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
+    ep: int = opt(
+        1,
+        "expert-parallel degree: a mixture of experts' routed experts split over this many of the data-parallel "
+        "ranks, each token sent to its experts' rank and back (all-to-all)",
+        gt=0,
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = opt(
         "1f1b",
         "pipeline schedule (torch.distributed.pipelining); interleaved_1f1b and interleaved_zb run two stages "

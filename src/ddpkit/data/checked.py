@@ -29,7 +29,7 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
 
 
 DECODE_ERRORS = _decode_errors()
-SKIP_HINT = "replace or remove the file, or set data.skip_corrupt=true to leave undecodable samples out"
+SKIP_HINT = "replace the file, or set data.skip_corrupt=true to leave such samples out"
 
 
 class CorruptSample(UserError):
@@ -72,7 +72,7 @@ class CheckedSamples(Dataset):
             return self.inner[i]
         except DECODE_ERRORS as e:
             if self.bad is None:
-                text = re.sub(r"<_io\.\w+ name=[^>]*>", "it", first_line(e, limit=150))
+                text = first_line(re.sub(r"<_io\.\w+ name=[^>]*>", "it", str(e)), limit=80)
                 reason = f"{type(e).__name__}: {text}"
                 raise CorruptSample(
                     f"cannot decode {self.where(i)} of the {self.split} set ({reason})", SKIP_HINT

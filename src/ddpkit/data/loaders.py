@@ -99,7 +99,7 @@ class DistributedLoader:
     ):
         if isinstance(dataset, IterableDataset):
             raise UserError(
-                "a distributed loader needs a map-style data set (with __len__ and __getitem__), got an IterableDataset",
+                "a distributed loader needs a map-style data set (__len__, __getitem__), not an IterableDataset",
                 "shard an IterableDataset yourself with ddpkit.get_rank() / ddpkit.get_world_size()",
             )
         self.dataset = dataset
@@ -283,7 +283,7 @@ def _check_shardable(loader: DataLoader) -> None:
     if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
         raise UserError(
             "ddpkit.prepare cannot shard a DataLoader built with a batch_sampler of its own",
-            "give the DataLoader batch_size= and shuffle= instead, or shard the batches yourself with ddpkit.get_rank()",
+            "give it batch_size= and shuffle= instead, or shard the batches yourself with ddpkit.get_rank()",
         )
     if type(sampler) not in (RandomSampler, SequentialSampler):
         raise UserError(
@@ -334,8 +334,8 @@ def convert_loader(
             if batch % world:
                 raise UserError(
                     f"ddpkit.prepare(split_batches=True) cuts each batch of {batch} samples over {world} data-parallel "
-                    "ranks, which does not divide it",
-                    f"use a batch_size that is a multiple of {world}, or drop split_batches",
+                    "ranks, unevenly",
+                    f"use a batch_size {world} divides, or drop split_batches",
                 )
             batch, plain_rng = batch // world, True
         return DistributedLoader(

@@ -13,7 +13,7 @@ import pickle
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.declared import check_with
-from ddpkit.data import builtin, text, vision
+from ddpkit.data import builtin, safe_pickle, text, vision
 from ddpkit.data.entry import DatasetEntry, DataSpec, Splits
 from ddpkit.data.text import tokens
 from ddpkit.errors import UserError, first_line
@@ -92,11 +92,13 @@ _READ_ERRORS = (
 def _load_error(entry: DatasetEntry, cfg: Config, e: BaseException) -> UserError:
     """A one-line UserError for a failed download or an unreadable file."""
     root = cfg.data.root
-    detail = f"{type(e).__name__}: " + first_line(e, limit=300, joined=True)
+    if isinstance(e, safe_pickle.CodeRefused):  # the file and what it asked to run, nothing cut
+        return UserError(str(e), "replace it with the data set's own file")
+    detail = f"{type(e).__name__}: " + first_line(e, limit=50, joined=True)
     if cfg.data.download and entry.downloads and entry.missing is not None and entry.missing(root):
         return UserError(
-            f"downloading the {entry.title} data into data.root '{root}' failed: {detail}",
-            f"check the network, or put the files there yourself as {entry.layout} and set data.download=false",
+            f"downloading {entry.title} into data.root '{root}' failed: {detail}",
+            f"check the network, or put them there as {entry.layout} with data.download=false",
         )
     return UserError(
         f"cannot read the {entry.title} data under data.root '{root}': {detail}",

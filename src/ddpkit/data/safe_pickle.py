@@ -30,6 +30,10 @@ ALLOWED = frozenset(
 UnpicklingError = pickle.UnpicklingError
 
 
+class CodeRefused(pickle.UnpicklingError):
+    """A data file asked to run code: its message names the file and the callable."""
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """pickle.Unpickler that refuses every global outside `allowed` (ALLOWED unless told), so a file cannot run
     code."""
@@ -40,9 +44,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         if (module, name) in self.allowed:
             return super().find_class(module, name)
         where = getattr(getattr(self, "_source", None), "name", "a data file")
-        raise pickle.UnpicklingError(
-            f"{where} asks to run {module}.{name}; a data file may hold only arrays, numbers, strings, "
-            "lists and dicts, so it was not loaded"
+        raise CodeRefused(
+            f"{where} asks to run {module}.{name} (a data file may hold only arrays and plain values)"
         )
 
 

@@ -69,13 +69,11 @@ class GlobalOrderSampler(Sampler[int]):
         self.on_iter: Callable[[], bool | None] | None = None
         need = self.global_batch * self.grad_accum_steps if self.drop_last else self.world_size
         if self.dataset_len < need:
-            accum = f" x train.grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
+            accum = f" x {self.grad_accum_steps} accumulated" if self.grad_accum_steps > 1 else ""
             raise UserError(
-                f"the training set has {self.dataset_len} samples, fewer than one optimizer step takes "
+                f"the training set has {self.dataset_len} samples, fewer than a step "
                 f"(train.batch_size {self.batch_size} x world size {self.world_size}{accum} = {need})",
-                "lower train.batch_size"
-                + (" or train.grad_accum_steps" if accum else "")
-                + ", or use fewer processes",
+                "lower train.batch_size, grad_accum_steps or the processes",
             )
 
     @property

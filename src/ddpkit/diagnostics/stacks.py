@@ -108,16 +108,17 @@ def mark_ended() -> None:
             Path(str(job), f"rank{rank}.ended").touch()
 
 
-def say_error(line: str) -> bool:
+def say_error(line: str, kind: str = "error") -> bool:
     """In a worker of ddpkit's launcher: leave the error line for the launcher to print once for the job
-    (True); elsewhere False (the caller prints it)."""
+    (True); elsewhere False (the caller prints it). `kind` "comm": this rank gave up on a collective, the
+    launcher names the cause instead."""
     job, rank = _ARMED.get("job"), _ARMED.get("rank")
     if not job:
         return False
     try:
-        tmp = Path(str(job), f".rank{rank}.error")
+        tmp = Path(str(job), f".rank{rank}.{kind}")
         tmp.write_text(line, encoding="utf-8")
-        os.replace(tmp, Path(str(job), f"rank{rank}.error"))
+        os.replace(tmp, Path(str(job), f"rank{rank}.{kind}"))
     except OSError:
         return False
     return True
@@ -275,7 +276,8 @@ def sweep_stale_jobs(tmp: str | None = None) -> list[Path]:
 class Watch:
     """The launcher's side while its workers run (a context manager around the wait): the job folder in the
     workers' environment, the straggler watch thread, SIGUSR2 -> every rank's stack. `errors`: the distinct
-    error lines its workers left, lowest rank first (read when the wait ends)."""
+    error lines its workers left, lowest rank first; `gave_up`: {rank: line} of the ranks that gave up on a
+    collective; `pids`: {rank: pid} of the workers (all read when the wait ends)."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, action: str = "report", say: Callable = print):
         self.timeout_s, self.action, self._say = timeout_s, action, say
@@ -283,6 +285,8 @@ class Watch:
         self.job = Path(tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-"))
         (self.job / LAUNCHER_FILE).write_text(f"{os.getpid()} {identity(os.getpid())}")
         self.errors: list[str] = []
+        self.gave_up: dict[int, str] = {}
+        self.pids: dict[int, int] = {}
         self.stopped: list[int] = []
         self._done, self._now = threading.Event(), threading.Event()
         self._old_env: str | None = None
@@ -310,12 +314,19 @@ class Watch:
         shutil.rmtree(self.job, ignore_errors=True)
 
     def read_errors(self) -> list[str]:
-        """The distinct error lines the workers left so far, lowest rank first (kept in `errors`)."""
-        for path in sorted(self.job.glob("rank*.error"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
-            with contextlib.suppress(OSError):
-                line = path.read_text(encoding="utf-8", errors="replace").strip()
-                if line and line not in self.errors:
-                    self.errors.append(line)
+        """The distinct error lines the workers left so far, lowest rank first (kept in `errors`; also the
+        lines of ranks that gave up on a collective, in `gave_up`, and the workers' pids)."""
+        self.pids.update(registered(self.job))
+        for kind in ("error", "comm"):
+            for path in sorted(
+                self.job.glob(f"rank*.{kind}"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)
+            ):
+                with contextlib.suppress(OSError):
+                    line = path.read_text(encoding="utf-8", errors="replace").strip()
+                    if kind == "comm" and line:
+                        self.gave_up[int(re.sub(r"\D", "", path.name))] = line
+                    elif line and line not in self.errors:
+                        self.errors.append(line)
         return self.errors
 
     def _print(self, text: str) -> None:

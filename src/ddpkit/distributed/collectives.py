@@ -50,7 +50,7 @@ def _no_group() -> None:
         var, n = launched
         raise UserError(
             f"{var}={n} says this process is one of {n}, but no process group is initialised",
-            "call ddpkit.init_distributed() (or ddpkit.prepare) first: without it every process would run alone",
+            "call ddpkit.init_distributed() or ddpkit.prepare() first, or each process runs alone",
         )
 
 
@@ -144,7 +144,7 @@ def _check_shapes(t: torch.Tensor) -> None:
         raise UserError(
             f"all_reduce_sum: rank {r} passed shape {list(seen[r][0])} ({seen[r][1]}), rank 0 passed "
             f"{list(seen[0][0])} ({seen[0][1]})",
-            "every rank must reduce a value of the same shape (the same list length) at the same call",
+            "every rank must reduce a value of the same shape at the same call",
         )
 
 

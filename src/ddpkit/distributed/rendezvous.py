@@ -58,8 +58,7 @@ def probe(host: str, port: int, window_s: float | None = None) -> None:
         if time.monotonic() >= deadline:
             raise UserError(
                 f"cannot reach the master at {host}:{port} after {window:g} s ({why})",
-                "check the master address and port, that rank 0 / node 0 runs, and that no firewall blocks the "
-                f"port; {PROBE_VAR}=SECONDS waits longer for a master that starts late",
+                f"check the address, that rank 0 runs, the firewall; {PROBE_VAR}=SECONDS waits longer",
             )
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -118,8 +117,8 @@ def join(env: DistEnv, timeout: datetime.timedelta) -> tuple[DistEnv, object]:
         )
     except (RuntimeError, ValueError, OSError) as e:
         raise UserError(
-            f"rank {env.rank} could not join the rendezvous at {_where(env)} ({first_line(e)})",
-            "check that every rank uses the same --init-method and --world-size and that rank 0 runs",
+            f"rank {env.rank} could not join the rendezvous at {_where(env)} ({first_line(e, 50)})",
+            "give every rank the same --init-method and --world-size; is rank 0 running?",
         ) from None
     store.set(
         f"ddpkit/host/{env.rank}",

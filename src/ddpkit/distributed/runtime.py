@@ -52,8 +52,7 @@ def check_cpu_processes(nproc: int) -> None:
     if nproc > cores and os.environ.get(OVERSUBSCRIBE_VAR) != "1":
         raise UserError(
             f"{nproc} processes on this node but it has only {cores} CPU core(s) and no GPU",
-            f"start at most {cores} per node, or add --oversubscribe ({OVERSUBSCRIBE_VAR}=1) if you mean to "
-            "share the cores",
+            f"start at most {cores} per node, or add --oversubscribe ({OVERSUBSCRIBE_VAR}=1) to share them",
         )
 
 
@@ -153,10 +152,8 @@ def _refuse_a_lonely_child(env: DistEnv) -> None:
 
     if env.launcher == "none" and multiprocessing.parent_process() is not None:
         raise UserError(
-            "init_distributed() was called in a process started by multiprocessing (e.g. mp.spawn), but nothing "
-            "says which rank it is: every such process would run alone as world size 1",
-            "pass rank= and world_size= (as mp.spawn scripts pass them to init_process_group), start the "
-            "function with ddpkit.launch(fn, nprocs=N), or pass world_size=1 to run it alone",
+            "init_distributed() in a process multiprocessing started (mp.spawn) cannot tell which rank it is",
+            "pass rank= and world_size=, or start it with ddpkit.launch(fn, nprocs=N)",
         )
 
 
@@ -206,8 +203,8 @@ def _init_group(env: DistEnv, backend: str, dev: torch.device, timeout_s: float,
     except (RuntimeError, ValueError, OSError) as e:
         where = f"{env.master_addr}:{env.master_port}" if env.init_method == "env://" else env.init_method
         raise UserError(
-            f"rank {env.rank} could not join the process group at {where} ({first_line(e)})",
-            "check that every rank uses the same master address and port and that it is reachable",
+            f"rank {env.rank} could not join the process group at {where} ({first_line(e, 50)})",
+            "give every rank the same master address and port; is it reachable?",
         ) from None
     _RDZV = (rdzv_store, env) if rdzv_store is not None else None
     for handler in (_drain_at_exit, shutdown):  # last in, first out: shutdown, then the drain

@@ -20,7 +20,6 @@ from ddpkit.distributed.rendezvous import probe_launch
 from ddpkit.errors import Preempted, UserError, first_line
 from ddpkit.launcher import signals, usermain, warm_start
 from ddpkit.launcher.launch import (
-    PREEMPTED_EXIT,
     _ended_by_us,
     _failure,
     _launched,
@@ -42,7 +41,7 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
         return UserError(
             f"could not reach the rendezvous at {endpoint}: "
             + (why[1] if why else f"no answer within --rdzv-timeout {spec.rdzv_timeout} s"),
-            "check that the master address and port name node 0, that node 0 runs, and that no firewall blocks the port",
+            "check that the address names node 0, that it runs, and that no firewall blocks the port",
         )
     # c10d raises RendezvousTimeoutError, static a DistStoreError "Timed out ... 1/2 clients joined."
     if "timeout" in name.lower() or "timed out" in low:
@@ -50,8 +49,7 @@ def _rendezvous_error(e: Exception, spec: LaunchSpec, endpoint: str) -> Exceptio
         who = f"only {joined[1]} of {joined[2]} nodes" if joined else f"not all {spec.nnodes} nodes"
         return UserError(
             f"{who} joined the rendezvous at {endpoint} within --rdzv-timeout {spec.rdzv_timeout} s",
-            "start every node with the same --nnodes and rendezvous address, check that each can reach it, "
-            "or raise --rdzv-timeout",
+            "start every node with the same --nnodes and address, or raise --rdzv-timeout",
         )
     if "EADDRINUSE" in msg or "address already in use" in low:
         return UserError(
@@ -101,7 +99,9 @@ def launch_elastic(
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        err = _failure(codes, spec.max_restarts, forwarder.signum, _ended_by_us(codes, e, forwarder), script)
+        codes.update(_reaped_by_the_server(ranks, codes))
+        ours = _ended_by_us(codes, e, forwarder)
+        err = _failure(codes, spec.max_restarts, forwarder.signum, ours, script, ranks.gave_up)
         raise stacks.job_failure(err, ranks) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, which torch's agent passes on to the workers itself
         raise Preempted(
@@ -113,6 +113,14 @@ def launch_elastic(
         if err is e:
             raise
         raise err from None
+
+
+def _reaped_by_the_server(ranks: stacks.Watch, known: dict[int, int]) -> dict[int, int]:
+    """{rank: exit status} of the warm workers that failed and that torch's agent did not report (it reports
+    the first failure it sees of a forked worker, which may be a rank that only waited for the one that died):
+    the fork server, their parent, wrote each status down (warm_server)."""
+    exits = warm_start.worker_exits()
+    return {r: exits[pid] for r, pid in ranks.pids.items() if r not in known and exits.get(pid)}
 
 
 def _agent_config(spec: LaunchSpec, nproc: int, start_method: str) -> tuple[Any, str]:
@@ -171,18 +179,19 @@ def _worker_command(
     if list(python_args[:3]) != ["-u", "-m", "ddpkit"]:  # a user's script: the signals module arranges it
         python_args = ["-u", "-m", usermain.__name__, *python_args]  # dies with us, runs the script
     if warm is not None and warm_start.running():
-        return warm_start.worker, (warm[0], list(warm[1]), warm_start.LaunchEnviron()), "forkserver"
+        launcher = (warm_start.LaunchEnviron(), warm_start.LaunchStdin())
+        return warm_start.worker, (warm[0], list(warm[1]), *launcher), "forkserver"
     return sys.executable, tuple(python_args), "spawn"
 
 
 class _NoTraceback(logging.Filter):
-    """The agent reports a worker forked from the fork server that failed with a traceback of its own join;
-    the worker started as a program gets one line: keep the line. A worker that exits 3 stopped as agreed
-    (the launcher says so in one line): no error line for it."""
+    """The agent reports the first failed worker it sees ("failed (exitcode: -9) local_rank: 2 ...", for a
+    forked worker with a traceback of its own join): the launcher's one line names every failed rank, the one
+    that died first (launch._failure), so the agent's line is not printed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "exitcode: %s" in str(record.msg) and record.args and record.args[0] in (PREEMPTED_EXIT, 2):
-            return False  # 2: a user error, which the launcher prints once (stacks.job_failure)
+        if "failed (exitcode: %s)" in str(record.msg):
+            return False
         record.exc_info = record.exc_text = None
         return True
 

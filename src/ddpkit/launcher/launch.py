@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -70,11 +71,14 @@ def set_thread_env(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-def start_warm(spec: Any, modules: list[str]) -> bool:
+def start_warm(spec: Any, modules: list[str], script: list[str] | None = None) -> bool:
     """Start the fork server that imports `modules` for the workers while this launcher imports torch for the
     agent (launcher/warm_start.py); False where workers start as programs (spawn, DDPKIT_WARM_START=0, a
-    program of the user's own that calls ddpkit's command line)."""
+    program of the user's own that calls ddpkit's command line, a `script` that sets a thread variable such as
+    OMP_NUM_THREADS, which torch reads only as it is imported)."""
     if spec.launcher == "spawn" or not warm_start.main_is_ddpkit():
+        return False
+    if script is not None and warm_start.sets_thread_variable(script):
         return False
     set_thread_env(spec.nproc_per_node or 1)  # before the fork server starts: its torch reads it
     return warm_start.start(modules)
@@ -94,16 +98,65 @@ def _ended_by_us(codes: dict[int, int], e: Any, forwarder: signals.Forwarder) ->
     )
 
 
+def _cause(
+    failures: dict[int, int], forwarded: int, ended_by_us: frozenset[int], gave_up: dict[int, str]
+) -> int | None:
+    """The rank whose end is the job's cause: one killed by a signal this launcher did not send (or, when others
+    gave up on a collective, one that failed without giving up), never a rank that only waited for it."""
+    own = [
+        r
+        for r, c in sorted(failures.items())
+        if r not in ended_by_us and r not in gave_up and c != -forwarded
+    ]
+    killed = [r for r in own if failures[r] < 0]
+    if killed:
+        return killed[0]
+    return own[0] if own and gave_up else None
+
+
+def _step(gave_up: dict[int, str]) -> int | None:
+    """The step at which the ranks that gave up were waiting (the one most of them name)."""
+    steps = [int(m[1]) for line in gave_up.values() if (m := re.search(r"collective at step (\d+)", line))]
+    return max(set(steps), key=lambda s: (steps.count(s), s)) if steps else None
+
+
+def _grouped(codes: dict[int, int]) -> str:
+    """`rank 1 (exit code 1), ranks 0, 3 (killed by SIGTERM)`."""
+    by: dict[str, list[int]] = {}
+    for r, c in sorted(codes.items()):
+        by.setdefault(describe_exit(c), []).append(r)
+    return ", ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} ({d})" for d, rs in by.items()
+    )
+
+
+def _caused(cause: int, failures: dict[int, int], gave_up: dict[int, str], after: str) -> str:
+    """`rank 2 was killed by SIGKILL at step 8; then ...`: the cause first, the others after it."""
+    code, step = failures[cause], _step(gave_up)
+    lead = (
+        f"rank {cause} was {describe_exit(code)}"
+        if code < 0
+        else f"rank {cause} failed ({describe_exit(code)})"
+    )
+    lead += (f" at step {step}" if step is not None else "") + after
+    rest = {r: c for r, c in failures.items() if r != cause}
+    line = lead + (f"; then {_grouped(rest)}" if rest else "")
+    return line + ("; the errors of the ranks that waited for it are in log.txt" if gave_up else "")
+
+
 def _failure(
     failures: dict[int, int],
     restarts: int,
     forwarded: int = 0,
     ended_by_us: frozenset[int] = frozenset(),
     script: bool = False,
+    gave_up: dict[int, str] | None = None,
 ) -> WorkerFailure | Preempted:
     """How the launch ends when workers failed; `forwarded`: the signal this launcher passed on to them;
     `ended_by_us`: ranks the launcher itself terminated after the first failure (named, but their status is not
-    the job's); `script`: a user's script, whose exit 3 means preempted only when this launcher stopped it."""
+    the job's); `script`: a user's script, whose exit 3 means preempted only when this launcher stopped it;
+    `gave_up`: {rank: line} of the ranks that gave up on a collective (a rank that died is named first)."""
+    gave_up = gave_up or {}
     codes = {c for r, c in failures.items() if r not in ended_by_us} or set(failures.values())
     if codes == {PREEMPTED_EXIT} and (
         forwarded or not script
@@ -113,12 +166,21 @@ def _failure(
         )
     ranks = ", ".join(f"rank {r} ({describe_exit(c)})" for r, c in sorted(failures.items()))
     after = f" after {restarts} restart(s)" if restarts else ""
+    cause = _cause(failures, forwarded, ended_by_us, gave_up)
+    if cause is not None:
+        what = _caused(cause, failures, gave_up, after)
+    elif gave_up:  # no rank died: the first that gave up says which one stopped responding (heartbeats)
+        what = gave_up[min(gave_up)] + (
+            f" ({len(gave_up)} ranks gave up: log.txt)" if len(gave_up) > 1 else ""
+        )
+    else:
+        what = f"worker {ranks} failed{after}"
     # The workers' own status when they agree on one, else 1; exit 2 means they all met a user error and said
     # why, one line each, so the launcher adds none; 128 + N when they all died of the signal N passed on.
     code = next(iter(codes)) if len(codes) == 1 and min(codes) > 0 else 1
     if forwarded and set(failures.values()) == {-forwarded}:
         code = 128 + forwarded
-    return WorkerFailure(f"worker {ranks} failed{after}", exit_code=code, report=code != 2)
+    return WorkerFailure(what, exit_code=code, report=code != 2)
 
 
 def _launched() -> None:
@@ -204,6 +266,8 @@ def launch_spawn(
             ours = frozenset(
                 r for r, c in failed.items() if r != first and c == -signal.SIGTERM and not forwarder.signum
             )
-            raise stacks.job_failure(_failure(failed, 0, forwarder.signum, ours, script), ranks) from None
+            ranks.read_errors()  # which ranks gave up on a collective: the one that died is named first
+            err = _failure(failed, 0, forwarder.signum, ours, script, ranks.gave_up)
+            raise stacks.job_failure(err, ranks) from None
         finally:
             del store  # every worker is gone: stop serving

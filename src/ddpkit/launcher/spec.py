@@ -135,8 +135,7 @@ def _slurm_agents(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
     if tasks.strip() != str(spec.nnodes):
         raise UserError(
             f"--nnodes {spec.nnodes} under srun needs one task per node, this step has {tasks} task(s)",
-            f"run it as `srun -N {spec.nnodes} --ntasks-per-node 1 ddpkit ...`, or drop the launch flags "
-            "to have one Slurm task per rank",
+            f"run `srun -N {spec.nnodes} --ntasks-per-node 1 ddpkit ...`, or drop the launch flags",
         )
     port = (
         int(environ["MASTER_PORT"])

@@ -17,11 +17,16 @@ traceback from the script's own frames, as Python prints it), or death by the si
 
 from __future__ import annotations
 
+import builtins
 import gc
+import importlib.machinery
+import io
 import os
+import pkgutil
 import runpy
 import sys
 import time
+import types
 
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import group_check
@@ -40,15 +45,39 @@ def run_python(target: list[str]) -> int:
             runpy.run_module(target[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = [target[0], *script_args(target[1:])]
-            path = os.path.abspath(target[0])  # __file__ absolute, as `python SCRIPT.py` gives it
-            sys.path.insert(0, os.path.dirname(path))
-            runpy.run_path(path, run_name="__main__")
+            _run_file(target[0])
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
         print(e.code, file=sys.stderr)
         return 1
     return 0
+
+
+def _run_file(typed: str) -> None:
+    """`python TYPED` in this process, as python itself sets it up: `__main__` with an absolute `__file__`,
+    sys.argv[0] as typed, the script's real folder (symlinks resolved) first on sys.path, so a script reached
+    through a symlink imports the modules beside its real file. (runpy.run_path makes sys.argv[0] absolute.)"""
+    path = os.path.abspath(typed)
+    if pkgutil.get_importer(path) is not None:  # a zip file with a __main__.py: runpy's way
+        runpy.run_path(path, run_name="__main__")
+        return
+    if not sys.flags.safe_path:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(typed)))
+    with io.open_code(path) as fh:
+        code = pkgutil.read_code(fh)  # a compiled .pyc, as python runs one
+    if code is None:
+        with io.open_code(path) as fh:
+            code = compile(fh.read(), path, "exec")
+    main = types.ModuleType("__main__")
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__dict__.update(__file__=path, __loader__=loader, __cached__=None, __builtins__=builtins)
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _script_frames(tb):

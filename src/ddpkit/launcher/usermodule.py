@@ -21,13 +21,13 @@ def check_module(name: str) -> None:
         spec = None
     except Exception as e:  # a parent package that fails to import, an empty or relative name
         raise UserError(
-            f"module '{first_line(name, 80)}' cannot be looked up: {first_line(e, 150)}",
+            f"module '{first_line(name, 50)}' cannot be looked up: {first_line(e, 70)}",
             "check the name after -m",
         ) from None
     finally:
         sys.path.pop(0)
     if spec is None:
         raise UserError(
-            f"no module named '{first_line(name, 80)}'",
-            "check the name after -m (it is looked up from this folder and the installed packages)",
+            f"no module named '{first_line(name, 60)}'",
+            "check the name after -m (looked up from this folder and the installed packages)",
         )

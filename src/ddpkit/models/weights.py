@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.errors import UserError, held_warnings
+from ddpkit.errors import UserError, first_line, held_warnings
 
 log = logging.getLogger("ddpkit.models")
 
@@ -52,14 +52,12 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
             r"[Uu]nsupported global: (?:GLOBAL )?(\S+)", text
         )
         if found:
-            reason = (
-                f"it holds Python objects ({found.group(1)}) that weights_only=True loading refuses to run"
-            )
+            reason = f"it holds code ({first_line(found.group(1), 30)}), which weights_only=True refuses"
         else:
-            reason = f"not a PyTorch weights file (corrupt, truncated or another format: {type(e).__name__})"
+            reason = f"not a PyTorch weights file (damaged or another format: {type(e).__name__})"
         raise UserError(
             f"cannot read model.pretrained file '{path}': {reason}",
-            "give a file saved with torch.save(model.state_dict(), PATH) or a ddpkit checkpoint",
+            "give a torch.save'd state_dict or a ddpkit checkpoint",
         ) from None
     state = _state_dict_of(obj)
     if state is None:

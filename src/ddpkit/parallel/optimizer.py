@@ -69,9 +69,8 @@ def check_kept(old: torch.optim.Optimizer, new: torch.optim.Optimizer, where: st
         if key not in new.defaults or new.defaults[key] != value:
             raise UserError(
                 f"{where}: {_name(old)}'s {key}={value!r} cannot be kept when it is made again "
-                f"({_name(old)}(params, **kwargs) sets {key}={new.defaults.get(key)!r})",
-                f"let {_name(old)}.__init__ take {key} as a keyword argument, or build the optimizer after "
-                "prepare() from the model it returns",
+                f"(it sets {key}={new.defaults.get(key)!r})",
+                f"let its __init__ take {key}, or build the optimizer after prepare()",
             )
     for key, value in vars(old).items():  # a subclass's own settings (self.k = k), kept beside the groups
         if key.startswith("_") or key in ("defaults", "state", "param_groups") or callable(value):
@@ -79,17 +78,15 @@ def check_kept(old: torch.optim.Optimizer, new: torch.optim.Optimizer, where: st
         other = vars(new).get(key, _MISSING)
         if other is _MISSING or type(other) is not type(value) or not _same(value, other):
             raise UserError(
-                f"{where}: {_name(old)}'s attribute {key}={value!r} cannot be kept when it is made again "
-                f"({_name(old)}(params, **defaults) sets {key}={None if other is _MISSING else other!r})",
-                f"keep {key} in the optimizer's defaults (what its constructor takes), or build the optimizer "
-                "after prepare() from the model it returns",
+                f"{where}: {_name(old)}'s attribute {key}={value!r} cannot be kept when it is made "
+                f"again (it sets {key}={None if other is _MISSING else other!r})",
+                f"keep {key} in its defaults, or build the optimizer after prepare()",
             )
     for i, (a, b) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
         for key, value in a.items():
             if key != "params" and key not in _DERIVED and b.get(key) != value:
                 raise UserError(
-                    f"{where}: parameter group {i}'s {key}={value!r} cannot be kept ({b.get(key)!r} after "
-                    "the optimizer is made again)",
+                    f"{where}: parameter group {i}'s {key}={value!r} is lost ({b.get(key)!r} when made again)",
                     "build the optimizer after prepare() from the model it returns",
                 )
 
@@ -110,8 +107,8 @@ def rebuild_optimizer(
         new = type(old)(groups, **constructor_kwargs(old))
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(
-            f"{where}: {_name(old)} cannot be made again over the prepared parameters: {first_line(e)}",
-            "drop that option from the optimizer, or build it after prepare() from the model it returns",
+            f"{where}: {_name(old)} cannot be made again over the prepared parameters: {first_line(e, 60)}",
+            "drop that option, or build the optimizer after prepare()",
         ) from None
     check_kept(old, new, where)
     return new

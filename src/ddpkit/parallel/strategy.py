@@ -59,8 +59,13 @@ class StrategyEntry:
     each stage in DDP, where the others shard each stage with FSDP2);
     `with_pp`: runs over the data-parallel ranks of a pipeline (dist.pp);
     `hybrid`: shards inside groups of dist.dp_shard ranks and replicates across the groups;
+    `with_ep`: runs with expert parallelism (dist.ep: the routed experts split over some of its ranks, their
+    gradients reduced over the ranks that hold the same experts);
     `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
-    replicas of a tensor-parallel model, "offload" dist.offload=cpu).
+    replicas of a tensor-parallel model, "offload" dist.offload=cpu);
+    `wraps_meta`: its wrap takes a model on the meta device and leaves it there, laid out (the plain module,
+    FSDP2's fully_shard): a model built on meta is made real after the wrap, each rank allocating only its
+    shards (parallel/materialize.py); without it the model is made whole before the wrap (DDP broadcasts it).
     """
 
     name: str
@@ -78,7 +83,9 @@ class StrategyEntry:
     replicates: bool = False
     with_pp: bool = False
     hybrid: bool = False
+    with_ep: bool = False
     auto: tuple[str, ...] = ()
+    wraps_meta: bool = False
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
 
     def __post_init__(self):
@@ -91,9 +98,16 @@ class StrategyEntry:
 
     def describe(self) -> str:
         """`zero2 (what it does; also with dist.tp and dist.pp)`: the config reference's line of it."""
-        also = " and ".join(
-            key for key, ok in (("dist.tp", self.over_dtensors), ("dist.pp", self.with_pp)) if ok
-        )
+        keys = [
+            k
+            for k, ok in (
+                ("dist.tp", self.over_dtensors),
+                ("dist.pp", self.with_pp),
+                ("dist.ep", self.with_ep),
+            )
+            if ok
+        ]
+        also = " and ".join([", ".join(keys[:-1]), keys[-1]] if len(keys) > 1 else keys)
         return f"{self.name} ({self.summary}{f'; also with {also}' if also else ''})"
 
 
@@ -195,6 +209,10 @@ class Strategy:
     name = "single"
     mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
     offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
+    amp = "none"  # train.amp: bf16 makes FSDP2's own mixed precision (fsdp, hsdp, zero2)
+    experts = (
+        None  # dist.ep > 1: the ExpertMeshes the routed experts are split and reduced over (parallel/experts)
+    )
 
     def __init__(
         self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
@@ -233,6 +251,11 @@ class Strategy:
     def collective_forward(self) -> bool:
         """True when every forward is a collective (fsdp): all ranks must run the same number of them."""
         return False
+
+    def step_autocast(self, autocast: Callable[[], Any]) -> Callable[[], Any]:
+        """The autocast factory a step runs under: train.amp's (`autocast`), or none where the strategy casts
+        the parameters itself (FSDP2's mixed precision)."""
+        return autocast
 
     def sync_context(self, wrapped: nn.Module, sync: bool):
         """Gradient sync on (last micro-step) or off (the others)."""

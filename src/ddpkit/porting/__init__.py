@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from ddpkit.data.loaders import DistributedLoader, convert_loader
 from ddpkit.distributed.runtime import DistContext, current, init_distributed
 from ddpkit.errors import UserError
+from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.mesh import build_mesh, layout_of
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.optimizer import rebuild_optimizer
@@ -30,6 +31,7 @@ from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 from ddpkit.porting import hf_model
+from ddpkit.porting.meta import built, maker
 from ddpkit.porting.roles import agreed, prepare_loader, remember_model, roles_for
 
 
@@ -116,7 +118,8 @@ def _prepare_pipeline(objects, pp, pp_split, loss_fn, schedule, microbatches, st
             f"ddpkit.prepare(pp={pp}) takes exactly one model", "pass the model to cut into stages"
         )
     ctx = _context()
-    model = models[0].to(ctx.device)
+    make = maker(models[0], seed, ctx.device)  # a model on the meta device: made whole, then cut
+    model = make(models[0]) if make is not None else models[0].to(ctx.device)
     if hf:
         pp_split = pp_split or hf_model.split_names(model, pp * stages_per_rank(schedule))
     piped = PipelineModel(
@@ -172,6 +175,8 @@ def prepare(
     generator=, or torch's stream), several DistributedSampler's (seed=`seed`), `split_batches`: batch_size is the
     global batch, cut over the ranks in the one-process order. Anything else: returned as it is.
 
+    A model on the meta device, or a function of no argument that builds it: laid out, then each rank makes only
+    its shards from `seed` (porting/meta.py: by its family's steps, its init_weights() or reset_parameters()).
     `tp`: the model split over groups of `tp` neighbouring ranks by `tp_plan` (torch's parallelize_module plan;
     default: a ddpkit model's family's, or a transformers model's own, porting/hf_model.py), the strategy over the
     data-parallel ranks (auto: zero2 when there are several), the optimizer re-made over the DTensor parameters.
@@ -180,6 +185,7 @@ def prepare(
     `loss_fn(output, target)` runs on the last stage; loaders shard over the replicas (world_size / pp).
     """
     _check_arguments(locals())
+    objects = tuple(built(objects))  # a function of no argument: the model it builds on the meta device
     if pp != 1:
         return _prepare_pipeline(
             objects, pp, pp_split, loss_fn, pp_schedule, pp_microbatches, strategy, seed, split_batches
@@ -190,8 +196,9 @@ def prepare(
     loader_roles = roles_for(objects, roles)
     layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
     chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
-    out = _prepared_model(models[0] if models else None, optimizers, chosen, ctx, sync_bn, mesh, tp_plan)
-    model_out = out.get(id(models[0]), models[0]) if models else None
+    model = models[0] if models else None
+    out = _prepared_model(model, optimizers, chosen, ctx, (sync_bn, seed), mesh, tp_plan)
+    model_out = out.get(id(model), model)
     if model_out is not None:
         remember_model(model_out)
     out.update(
@@ -264,8 +271,7 @@ def _check_arguments(given: dict[str, Any]) -> None:
                 shown = style.__name__ if isinstance(style, type) else repr(style)
                 raise UserError(
                     f"ddpkit.prepare(tp_plan=...): the entry {key!r}: {shown} is not a torch ParallelStyle",
-                    f"map each submodule name to an instance: {{{key!r}: ColwiseParallel()}} "
-                    "(from torch.distributed.tensor.parallel)",
+                    f"map each name to an instance: {{{key!r}: ColwiseParallel()}}",
                 )
 
 
@@ -287,16 +293,19 @@ def _prepared_model(
     optimizers: list[torch.optim.Optimizer],
     chosen: Strategy,
     ctx: DistContext,
-    sync_bn: bool,
+    sync_bn_seed: tuple[bool, int],
     mesh: Any,
     tp_plan: dict | None,
 ) -> dict[int, Any]:
     """{id(given object): what replaces it} for the model and the optimizers the strategy re-makes: the model on
     this rank's device, synchronised BatchNorm, split over the tensor-parallel mesh, wrapped for the strategy. A
-    model prepared already stays as it is, and so do its optimizers."""
+    model on the meta device is laid out there and made with `seed` (porting/meta.py): each rank its own shards.
+    A model prepared already stays as it is, and so do its optimizers."""
     out: dict[int, Any] = {}
+    sync_bn, seed = sync_bn_seed
     if model is not None and not _wrapped(model):
-        moved = model.to(ctx.device)
+        make = maker(model, seed, ctx.device)
+        moved = model.to(ctx.device) if make is None else model
         if sync_bn and ctx.world_size > 1:
             moved = _sync_bn(moved, ctx.device)
         before = list(moved.parameters())
@@ -304,7 +313,7 @@ def _prepared_model(
             if tp_plan is None and hf_model.is_hf_model(moved):  # the plan the model declares
                 tp_plan = hf_model.tp_plan(moved, mesh["tp"].size())
             apply_tensor_parallel(moved, mesh["tp"], tp_plan)
-        out[id(model)] = chosen.wrap(moved)
+        out[id(model)] = wrap_made(chosen, moved, make)
         for opt in optimizers:
             if chosen.entry.remakes_optimizer or mesh is not None:
                 out[id(opt)] = _rebuilt_optimizer(chosen, moved, before, opt)
@@ -341,5 +350,5 @@ def _check_schedulers(objects: Sequence[Any], out: dict[int, Any], chosen: Strat
             raise UserError(
                 f"ddpkit.prepare(strategy='{chosen.name}') re-makes the optimizer, so a scheduler made before it "
                 "would drive the old one",
-                "create the LR scheduler after prepare(), from the optimizer it returns",
+                "create the scheduler after prepare(), from its optimizer",
             )

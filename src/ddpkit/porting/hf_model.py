@@ -4,7 +4,7 @@ without importing transformers (a model is recognised by what it carries: `confi
 - **Tensor parallel** (`prepare(model, tp=2)` with no `tp_plan`): the model's own plan, its config's
   `base_model_tp_plan` (names under the base model, e.g. `layers.*.self_attn.q_proj`) and its class's entries (the
   head: `lm_head`), each transformers style name translated into torch.distributed.tensor.parallel's style
-  (TRANSLATED). A style with no torch counterpart here is refused in one line. The embedding and the head stay
+  (_translations). A style with no torch counterpart here is refused in one line. The embedding and the head stay
   whole where splitting them cannot work (a weight tied between them, a vocabulary tp does not divide): they are
   optional splits; inside the blocks every entry is checked as a user's plan is (parallel/mesh/tp_plan.py).
 - **Pipeline parallel** (`prepare(model, pp=2, loss_fn=...)` with no `pp_split`): the config's
@@ -92,21 +92,6 @@ def _translations() -> dict[str, Callable[[], Any] | None]:
     }
 
 
-TRANSLATED = (
-    "colwise",
-    "rowwise",
-    "colwise_rep",
-    "colwise_gather_output",
-    "rowwise_rep",
-    "rowwise_split_input",
-    "embedding_rowwise",
-    "embedding_colwise",
-    "sequence_parallel",
-    "replicated_with_grad_allreduce",
-    "replicate",
-)
-
-
 def declared_tp_plan(model: nn.Module) -> dict[str, str]:
     """{full module name pattern: transformers style name}: the config's base-model plan under the base model's
     name, and the class's own entries (the head)."""
@@ -163,16 +148,16 @@ def tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
     if not declared:
         raise UserError(
             f"ddpkit.prepare(tp={tp}): {type(model).__name__} declares no tensor-parallel plan ({PLAN} is empty)",
-            "pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={'layers.*.mlp.up_proj': ColwiseParallel(), ...})",
+            "pass torch's plan: tp_plan={'layers.*.mlp.up_proj': ColwiseParallel(), ...}",
         )
     makers = _translations()
     unknown = {k: v for k, v in declared.items() if v not in makers}
     if unknown:
         entry, style = next(iter(unknown.items()))
         raise UserError(
-            f"ddpkit.prepare(tp={tp}): {type(model).__name__}'s {PLAN} splits '{entry}' as '{style}', a transformers "
-            f"style ddpkit does not translate (it translates {', '.join(TRANSLATED)})",
-            "pass torch's plan for the model: ddpkit.prepare(model, tp=2, tp_plan={...})",
+            f"ddpkit.prepare(tp={tp}): {PLAN} splits '{entry}' as '{style}', a transformers style ddpkit does "
+            "not translate",
+            "pass tp_plan={...}: torch's own plan",
         )
     _check_heads(model, tp)
     blocks = _block_names(model)
@@ -224,9 +209,8 @@ def _tensor_of(out: Any, field: str, module: nn.Module) -> torch.Tensor:
         return value
     raise UserError(
         f"ddpkit.prepare(pp=...): {type(module).__name__}'s forward returned a {type(out).__name__} without "
-        f"`.{field}`; the pipeline cut from its {PP_PLAN} passes `.{field}` on",
-        "pass a model whose forward returns .logits (a causal LM) or .last_hidden_state, or pp_split= and a model "
-        "whose forward returns a tensor",
+        f"`.{field}`, which its pipeline passes on",
+        "pass a causal LM or a base model, or pp_split= and a forward giving a tensor",
     )
 
 
@@ -238,9 +222,9 @@ def _layers_of(model: nn.Module) -> tuple[str, nn.Module, str, list[str], list[s
     lists = [k for k in plan if isinstance(base._modules.get(k), nn.ModuleList)]
     if len(lists) != 1 or any(not isinstance(base._modules.get(k), nn.Module) for k in plan):
         raise UserError(
-            f"ddpkit.prepare(pp=...): {type(model).__name__}'s {PP_PLAN} ({plan or 'empty'}) does not name its "
-            "parts in order around one list of layers, so ddpkit cannot cut it into stages",
-            "pass pp_split=[module names where stages begin] with a model whose forward returns a tensor",
+            f"ddpkit.prepare(pp=...): {type(model).__name__}'s {PP_PLAN} does not name its parts around "
+            "one list of layers",
+            "pass pp_split= and a model whose forward returns a tensor",
         )
     at = plan.index(lists[0])
     return base_name, base, lists[0], plan[:at], plan[at + 1 :]
@@ -278,9 +262,9 @@ def stages(model: nn.Module, names: Sequence[str]) -> list[HFStage]:
     for name in names:
         if not name.startswith(where) or not name[len(where) :].isdigit():
             raise UserError(
-                f"ddpkit.prepare: pp_split names '{name}'; a pipeline cut from {type(model).__name__}'s {PP_PLAN} "
-                "begins its stages at layers",
-                f"name layers as '{where}N', in order, or leave pp_split out to cut the layers evenly",
+                f"ddpkit.prepare: pp_split names '{name}'; a cut by {type(model).__name__}'s {PP_PLAN} begins stages "
+                "at layers",
+                f"name layers as '{where}N', in order, or leave pp_split out to cut them evenly",
             )
         starts.append(int(name[len(where) :]))
     bounds = list(zip(starts, starts[1:] + [len(layer_list)], strict=True))

@@ -31,7 +31,7 @@ from ddpkit.errors import UserError
 from ddpkit.parallel.strategy import unwrap_module
 
 ROLES = ("train", "eval")
-_HINT = "say what each loader is for: ddpkit.prepare(model, optimizer, train_loader, val_loader, roles=['train', 'eval'])"
+_HINT = "say so: roles=['train', 'eval']"
 
 
 class _LastModel:
@@ -52,7 +52,7 @@ def roles_for(objects: Sequence[Any], roles: Sequence[str] | None) -> list[str |
     if isinstance(roles, str) or len(roles) != len(loaders) or any(r not in ROLES for r in roles):
         raise UserError(
             f"ddpkit.prepare: roles={roles!r} must name 'train' or 'eval' for each of the {len(loaders)} loader(s)",
-            "e.g. roles=['train', 'eval'] for prepare(model, optimizer, train_loader, val_loader)",
+            "e.g. roles=['train', 'eval'] for prepare(model, optimizer, train, val)",
         )
     return list(roles)
 
@@ -69,9 +69,8 @@ def _check(
         if loader_role == "eval" and training:
             how = "guessed from shuffle=False" if not explicit else "roles= says so"
             raise UserError(
-                f"ddpkit.prepare: a loader prepared for evaluation ({how}) is iterated while the model is in "
-                "train mode; its uneven shards would put DDP's gradient all-reduces out of step",
-                f"if it is the training loader, {_HINT} (or shuffle=True); if it evaluates, call model.eval() first",
+                f"ddpkit.prepare: a loader prepared for evaluation ({how}) is run in train mode",
+                f"if it trains, {_HINT} (or shuffle=True); if it evaluates, call model.eval()",
             )
         if loader_role == "train" and not explicit and not torch.is_grad_enabled():
             return (
@@ -79,10 +78,8 @@ def _check(
             )
         if loader_role == "train" and not training and not explicit:
             raise UserError(
-                "ddpkit.prepare: a loader guessed to be for training (shuffle=True or drop_last=True) is iterated "
-                "while the model is in eval mode; a training loader pads or drops samples to even its shards (an "
-                "evaluation would count some twice or miss some)",
-                f"if it evaluates, {_HINT} (or shuffle=False); if it trains, call model.train() first",
+                "ddpkit.prepare: a loader guessed to be for training is run in eval mode",
+                f"if it evaluates, {_HINT} (or shuffle=False); if it trains, call model.train()",
             )
         return None
 
@@ -101,8 +98,7 @@ def _already_sharded(loader: Any, world_size: int, rank: int) -> bool:
             raise UserError(
                 f"ddpkit.prepare: the loader's DistributedSampler is for rank {sampler.rank} of "
                 f"{sampler.num_replicas}, this process is rank {rank} of {world_size}",
-                "build the DistributedSampler after ddpkit.init_distributed(), or give the loader shuffle= "
-                "instead and let prepare() shard it",
+                "make it after ddpkit.init_distributed()",
             )
         return True
     return False
@@ -145,8 +141,6 @@ def agreed(loader: Any) -> Any:
 def _same_order(mark: int) -> None:
     if len(set(all_gather_object(mark))) > 1:
         raise UserError(
-            "ddpkit.prepare: the ranks drew different orders for a training loader (its generator= or torch's "
-            "random stream is seeded differently on each rank), so they would not read one global batch",
-            "seed it alike on every rank before the pass (torch.manual_seed(S), or "
-            "DataLoader(generator=torch.Generator().manual_seed(S))); seed per-rank streams after",
+            "ddpkit.prepare: the ranks drew different orders for a training loader",
+            "seed it alike on every rank before the pass: torch.manual_seed(S) or DataLoader(generator=...)",
         )

@@ -102,7 +102,8 @@ def load_state(
         _strategy(model, optimizer).load(model, optimizer, state["model"], optim_sd)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UserError(
-            f"'{path}' does not fit this model: {first_line(e)}", "load it into the model it was saved from"
+            f"'{path}' does not fit this model: {first_line(e, 100)}",
+            "load it into the model it was saved from",
         ) from None
     unknown = sorted(set(objects) - set(STATEFUL))
     if unknown:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from ddpkit.distributed import runtime
-from ddpkit.errors import WorkerFailure, first_line
+from ddpkit.errors import CollectiveFailure, first_line
 
 KEY = "ddpkit/hb/{rank}"
 # Words in an exception that mean a peer died or stalled (as opposed to a bug in this rank).
@@ -155,18 +155,33 @@ def stop_heartbeat() -> None:
 runtime.BEFORE_SHUTDOWN.append(stop_heartbeat)
 
 
+def _comm_failure(e: BaseException) -> BaseException | None:
+    """The failed collective behind `e` (itself, or what it was raised from: a pipeline stage wraps it in
+    "[Stage 1] failed to run forward"), or None when `e` is not one."""
+    for _ in range(5):
+        if isinstance(e, (RuntimeError, OSError)) and any(w in str(e).lower() for w in COMM_FAILURE_WORDS):
+            return e
+        if e.__cause__ is None and e.__context__ is None:
+            return None
+        e = e.__cause__ or e.__context__
+    return None
+
+
 @contextlib.contextmanager
-def explain_comm_failures(ctx, heartbeat: Heartbeat, step: Callable[[], int]) -> Iterator[None]:
-    """Turn a failed collective into a WorkerFailure naming the rank(s) that fell behind and the step."""
+def explain_comm_failures(
+    ctx, heartbeat: Heartbeat, step: Callable[[], int], log: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Turn a failed collective into a CollectiveFailure naming the rank(s) that fell behind and the step (also
+    given to `log`: log.txt)."""
     try:
         yield
     except (RuntimeError, OSError) as e:
-        text = str(e).strip()
-        if ctx.world_size == 1 or not any(w in text.lower() for w in COMM_FAILURE_WORDS):
+        cause = _comm_failure(e) if ctx.world_size > 1 else None
+        if cause is None:
             raise
-        first = first_line(e, limit=160)
         why = heartbeat.diagnose()
-        raise WorkerFailure(
-            f"rank {ctx.rank} gave up on a collective at step {step()} ({first})"
-            + (f"; {why}" if why else "")
-        ) from None
+        line = f"rank {ctx.rank} gave up on a collective at step {step()} ({first_line(cause, limit=70)})"
+        line += f"; {first_line(why, limit=80)}" if why else ""
+        if log is not None:
+            log(line)
+        raise CollectiveFailure(line) from None

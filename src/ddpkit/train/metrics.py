@@ -158,6 +158,15 @@ class RunLog:
             self._log.write(line)
             self._log.flush()
 
+    def record(self, msg: str) -> None:
+        """A line in log.txt only, from any rank (its own failure), once rank 0 has started log.txt; the lines
+        of several ranks are appended whole (one write each)."""
+        path = self.out_dir / "log.txt"
+        if not path.is_file():
+            return
+        with contextlib.suppress(OSError), append_own(path) as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
     def _console(self, write) -> None:
         """Write to the console unless it went away; a closed pipe ends the printing, never the run."""
         if self.stream is None:
@@ -270,7 +279,8 @@ def banner(t: Any) -> str:
     """The line a Trainer `t` starts with: processes, backend, device, strategy and layout, batch, lr, steps."""
     cfg, ctx, d, lay = t.cfg, t.ctx, t.cfg.dist, t.layout
     pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if lay.pp > 1 else ""
-    over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}" if lay.parallel else ""  # the model is split
+    experts = f" x ep={lay.ep}" if lay.ep > 1 else ""  # the routed experts split over ep of the dp ranks
+    over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}{experts}" if lay.parallel or lay.ep > 1 else ""
     return (
         f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {t.device.type}, "
         f"strategy {t.strategy.name}{pipe}{over}, global batch {t.global_batch} "

@@ -49,6 +49,9 @@ class EpochEnd:
     speed: dict[str, Any]  # flops_per_token, tflops_per_s_per_rank and mfu (models.flops.fields)
     peak_memory: int  # the largest peak memory of the ranks (train.memory.largest_peak_memory: collective)
     skipped: int  # undecodable samples left out in the epoch, all ranks (data.skipped_in_epoch: collective)
+    # a mixture of experts' moe_aux_loss, moe_balance_max, moe_balance_mean (train/steps/experts.py: collective);
+    # empty for a dense model
+    routing: dict[str, Any] = field(default_factory=dict)
     stall: float = 0.0  # seconds training was blocked by checkpointing in the epoch so far
 
 
@@ -144,6 +147,27 @@ FIELDS: tuple[Field, ...] = (
         "model FLOPs utilization: `tflops_per_s_per_rank` / the device's peak (`train.peak_tflops`, or a known "
         "GPU's bf16/fp16 peak under `train.amp`); `null` when no peak is known",
         value=lambda e: e.speed["mfu"],
+    ),
+    Field(
+        "moe_aux_loss",
+        _F,
+        "a mixture of experts' load-balancing loss over the epoch's training sequences, the mean over its MoE "
+        "blocks (E x sum_i f_i P_i of a sequence: 1 when its tokens are spread evenly; `model.moe_aux_loss` x this "
+        "joins the loss); `null` for a dense model",
+        value=lambda e: e.routing.get("moe_aux_loss"),
+    ),
+    Field(
+        "moe_balance_max",
+        _F,
+        "a mixture of experts' load over the epoch's training tokens: the tokens of a block's busiest expert over "
+        "the mean of its experts (1: even), the largest of the MoE blocks; `null` for a dense model",
+        value=lambda e: e.routing.get("moe_balance_max"),
+    ),
+    Field(
+        "moe_balance_mean",
+        _F,
+        "the same load (busiest expert over the mean), the mean of the MoE blocks; `null` for a dense model",
+        value=lambda e: e.routing.get("moe_balance_mean"),
     ),
     Field(
         "peak_memory_bytes_per_rank",

@@ -188,11 +188,11 @@ def inspect(out_dir: str | os.PathLike) -> Earlier:
     return Earlier(out, files, ckpts, epochs)
 
 
+CONTINUE_OR_AFRESH = "resume=auto continues, checkpoint.overwrite=true starts anew"
+
+
 def _fresh_hint(out: Path) -> str:
-    return (
-        f"set checkpoint.overwrite=true to start afresh (the earlier run is moved to {out / PREVIOUS}/), "
-        "or choose another out_dir"
-    )
+    return f"checkpoint.overwrite=true starts afresh (the run moves to {out / PREVIOUS}/), or use another out_dir"
 
 
 def newest_readable(out: Path, earlier: Earlier, warn: Callable[[str], None]) -> tuple[str, dict]:
@@ -214,7 +214,7 @@ def newest_readable(out: Path, earlier: Earlier, warn: Callable[[str], None]) ->
         shown = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in why.items())
         raise UserError(
             f"no checkpoint of the run in out_dir '{out}' can be continued: {shown}",
-            "move them aside and rerun, " + _fresh_hint(out),
+            "move them aside, or " + _fresh_hint(out),
         )
     raise UserError(
         f"out_dir '{out}' holds an earlier run ({earlier.describe()}) but no checkpoint to continue it from",
@@ -244,17 +244,17 @@ def decide(cfg, earlier: Earlier, same_job: bool, warn: Callable[[str], None] | 
         return Plan(path, move_aside=bool(earlier.files))
     if "config.yaml" in earlier.files and "log.txt" not in earlier.files:  # ddpkit writes both at once
         raise UserError(
-            f"out_dir '{out}' holds a config.yaml that no ddpkit run wrote (no log.txt beside it); this run "
-            "would replace it with its resolved config",
+            f"out_dir '{out}' holds a config.yaml that no ddpkit run wrote (no log.txt beside it): it would "
+            "be replaced",
             "choose another out_dir (e.g. runs/NAME), or move the file away",
         )
     if not earlier.has_run:
         return Plan(path)
     if resume == "none":
         raise UserError(
-            f"out_dir '{out}' holds an earlier run ({earlier.describe()}); checkpoint.resume=none would "
-            "start a new one over it",
-            "continue it with checkpoint.resume=auto, " + _fresh_hint(out),
+            f"out_dir '{out}' holds an earlier run ({earlier.describe()}): checkpoint.resume=none would start "
+            "over",
+            CONTINUE_OR_AFRESH,
         )
     if warn is None:
         return None
@@ -266,9 +266,9 @@ def decide(cfg, earlier: Earlier, same_job: bool, warn: Callable[[str], None] | 
     if [given.get(k) for k in progress] == [state.get(k) for k in progress]:
         return Plan(path)
     raise UserError(
-        f"checkpoint.resume '{path}' is not where the run in out_dir '{out}' stands ({newest}, "
-        f"step {state['step']}): continuing from it would replace that run's later checkpoints and metrics",
-        "continue it with checkpoint.resume=auto, " + _fresh_hint(out),
+        f"checkpoint.resume '{path}' is behind out_dir '{out}' (step {state['step']}): it would "
+        "replace that run's later checkpoints and metrics",
+        CONTINUE_OR_AFRESH,
     )
 
 

@@ -42,7 +42,7 @@ from ddpkit.train.builders import (
     make_autocast,
     make_datasets,
     make_layout,
-    make_model,
+    make_model_on_meta,
     split_model,
 )
 from ddpkit.train.health import Heartbeat, explain_comm_failures
@@ -115,18 +115,17 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.amp == "fp16")
         # activation checkpointing, and tensor parallelism over the mesh's "tp" dim (a pipeline applies it to
         # each of its stages); then the runner of this layout's steps, chosen once
-        model = split_model(cfg, make_model(cfg, ctx, self.spec, report=self.log.info), self.mesh)
+        # each rank's shards only of a model built on the meta device are made, once it is laid out (`make`)
+        model, make = make_model_on_meta(cfg, ctx, self.spec, report=self.log.info)
+        model = split_model(cfg, model, self.mesh)
         self.runner: StepRunner = build_runner(
-            cfg, ctx, model, layout=self.layout, mesh=self.mesh, spec=self.spec, device=self.device,
+            cfg, ctx, model, layout=self.layout, mesh=self.mesh, spec=self.spec, make=make, device=self.device,
             task=self.task, autocast=self.autocast, scaler=self.scaler, accum=cfg.train.grad_accum_steps,
             channels_last=cfg.model.channels_last,
         )  # fmt: skip
+        # (model.compile: the runner compiled each block, or the whole wrapped model)
         self.model, self.strategy, self.wrapped = self.runner.model, self.runner.strategy, self.runner.wrapped
         init_weights(cfg, self.strategy, self.wrapped, report=self.log.info)  # model.init_from, sliced
-        if cfg.model.compile:
-            # In place (nn.Module.compile): the wrapper stays what the strategy returned, so checkpoints keep
-            # their keys (no `_orig_mod.` prefix) and DDP's buckets still split the compiled graph.
-            self.wrapped.compile()
         # ranks of one tensor / pipeline group read the same samples: shards by the dp coordinate and degree
         replica, self.replicas = self.runner.replica
         self.train_loader, self.val_loader = data.build_loaders(
@@ -152,7 +151,8 @@ class Trainer:
         Returns the last metrics line.
         """
         state = self.state
-        with self._closing(), explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step), self.stop:
+        failed = explain_comm_failures(self.ctx, self.heartbeat, lambda: state.step, self.log.record)
+        with self._closing(), failed, self.stop:
             # every check (out_dir, data, the checkpoint to continue from) passes before the first write
             source, ckpt = self.run_dir.open(config_mod.to_yaml(self.cfg), self._check_inputs)
             self._save_tokenizer()
@@ -360,6 +360,7 @@ class Trainer:
             "speed": speed,
             "peak_memory": largest_peak_memory(self.device),
             "skipped": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
+            "routing": self.runner.routing_fields(),
             "stall": self.saves.stalled,  # so far: the trainer adds the epoch's own checkpoint once it is saved
         }
         step, world = self.state.step, self.ctx.world_size

@@ -60,7 +60,7 @@ def check_bounds(args: argparse.Namespace, block_size: int, vocab: int) -> None:
         raise UserError(
             f"--max-new-tokens {args.max_new_tokens} is over {CONTEXTS} times this model's context of "
             f"{block_size} tokens ({most})",
-            f"give at most {most}, and run generate again on its output for more",
+            f"give at most {most}; run generate on its output for more",
         )
     if args.top_k is not None and args.top_k > vocab:
         raise UserError(
@@ -134,8 +134,7 @@ def generate_command(argv: Sequence[str]) -> int:
     if loaded.tokenizer is None:
         raise UserError(
             f"the run of '{loaded.source}' has no tokenizer.json",
-            "give data.dataset=tokens the tokenizer that made its files: data.tokenizer_file=tokenizer.json, or "
-            "nanoGPT's meta.pkl beside train.bin; or train with data.dataset=text, which makes one",
+            "train with data.tokenizer_file=tokenizer.json or nanoGPT's meta.pkl beside train.bin, or data.dataset=text",
         )
     tok = from_json(loaded.tokenizer, f"the tokenizer of '{loaded.source}'")
     check_bounds(args, loaded.model.block_size, loaded.model.vocab_size)

@@ -22,10 +22,7 @@ from ddpkit.errors import UserError, first_line
 FILE = "meta.pkl"  # beside train.bin, as nanoGPT writes it
 MAX_BYTES = 1 << 20  # a character vocabulary pickles to a few KiB
 MAX_VOCAB = 1 << 16  # nanoGPT writes uint16 ids
-HINT = (
-    "give the meta.pkl nanoGPT's prepare.py writes ({'vocab_size', 'itos', 'stoi'} of one character each), or "
-    "remove it and give data.tokenizer_file a tokenizer.json"
-)
+HINT = "give nanoGPT's own meta.pkl, or remove it and give data.tokenizer_file a tokenizer.json"
 
 
 def _read(path: Path) -> bytes:
@@ -45,7 +42,7 @@ def _unpickled(path: Path, raw: bytes) -> Any:
     try:
         return safe_pickle.loads(raw, allowed=frozenset())
     except Exception as e:  # a hostile pickle fails in many ways (truncated, bad opcodes, refused globals)
-        raise UserError(f"{path} is not nanoGPT's meta.pkl: {first_line(e, limit=160)}", HINT) from None
+        raise UserError(f"{path} is not nanoGPT's meta.pkl: {first_line(e, limit=56)}", HINT) from None
 
 
 def _vocab(meta: Any) -> list[str]:

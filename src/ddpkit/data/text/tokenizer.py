@@ -35,9 +35,7 @@ MAX_BPE_SIZE = 1 << 20  # the largest BPE trained (tokenizers allocates about 70
 PIECE = 1024  # BPE training reads lines in pieces of at most this many characters
 SAMPLE = 1 << 16  # characters of the text a tokenizer read from a file is tried on before anything is written
 MAX_FILE_BYTES = 64 << 20  # the largest tokenizer.json read
-FILE_HINT = (
-    "give data.tokenizer_file a tokenizer.json written by Hugging Face tokenizers (or by ddpkit train)"
-)
+FILE_HINT = "give a tokenizer.json written by Hugging Face tokenizers (or by ddpkit train)"
 
 
 def char_tokenizer(vocab: list[str]) -> Tokenizer:
@@ -105,8 +103,8 @@ def rust_panics(where: str):
             os.write(2, printed)
     if panic is not None:
         raise UserError(
-            f"{where} fails on this text: {first_line(panic, limit=80)}",
-            "a regex of its normalizer or pre-tokenizer backtracks without end: rewrite or remove it",
+            f"{where} fails on this text: {first_line(panic, limit=60)}",
+            "a normalizer or pre-tokenizer regex backtracks without end: rewrite or remove it",
         ) from None
 
 
@@ -124,7 +122,7 @@ def from_json(text: str, where: str) -> Tokenizer:
         tok = Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises plain Exception for every malformed file
         raise UserError(
-            f"{where} is not a tokenizer: {first_line(e, limit=200, joined=True)}", FILE_HINT
+            f"{where} is not a tokenizer: {first_line(e, limit=60, joined=True)}", FILE_HINT
         ) from None
     if tok.get_vocab_size() == 0:
         raise UserError(f"{where} is a tokenizer with no tokens", FILE_HINT)
@@ -151,7 +149,7 @@ def read_file(path: str | os.PathLike, what: str = "data.tokenizer_file") -> str
         loads_json(text)
     except (UnicodeDecodeError, ValueError) as e:  # TooDeep is a ValueError
         raise UserError(
-            f"{what} '{path}' is not JSON: {first_line(e, limit=120, joined=True)}", FILE_HINT
+            f"{what} '{path}' is not JSON: {first_line(e, limit=60, joined=True)}", FILE_HINT
         ) from None
     return text
 
@@ -221,7 +219,7 @@ def _named(cfg) -> str:
         return f"data.tokenizer_file '{cfg.data.tokenizer_file}'"
     if cfg.data.dataset == "text" and cfg.data.tokenizer == "bpe":
         return f"'{Path(cfg.out_dir) / FILE}'"
-    return "the character vocabulary of this run's text"
+    return "this run's characters"
 
 
 def check_trained_with(cfg, now: str | None, trained: Any, checkpoint: str | os.PathLike) -> None:
@@ -234,5 +232,5 @@ def check_trained_with(cfg, now: str | None, trained: Any, checkpoint: str | os.
     raise UserError(
         f"{_named(cfg)} (sha256 {ours}) is not the tokenizer checkpoint '{checkpoint}' was trained with "
         f"(sha256 {theirs})",
-        "give the run the tokenizer and text it was trained with, or train anew in another out_dir",
+        "give the run its own tokenizer and text, or train in another out_dir",
     )

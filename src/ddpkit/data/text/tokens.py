@@ -82,8 +82,8 @@ def _check_order_fits(path: Path, ids: int, block: int) -> None:
     need, have = blocks * ORDER_BYTES, machine_memory()
     if need > have // 2:
         raise UserError(
-            f"{path} holds {ids:,} ids: an epoch's order of its {blocks:,} blocks of data.block_size={block} needs "
-            f"about {need / 2**30:.0f} GiB of memory a process, more than half this machine's {have / 2**30:.0f} GiB",
+            f"{path} holds {ids:,} ids: an epoch's order of its {blocks:,} blocks needs {need / 2**30:.0f} GiB a "
+            f"process, over half this machine's {have / 2**30:.0f} GiB",
             "give a shorter file or a larger data.block_size",
         )
 
@@ -129,8 +129,8 @@ def _files(cfg: Config, meta: tuple[str, int] | None = None) -> tuple[list[tuple
 def _check(cfg: Config) -> None:
     if cfg.data.tokenizer != "char":
         raise UserError(
-            f"data.tokenizer={cfg.data.tokenizer} trains a tokenizer on text; data.dataset=tokens is tokenized already",
-            "leave data.tokenizer unset, and give the files' own tokenizer as data.tokenizer_file (for generate)",
+            f"data.tokenizer={cfg.data.tokenizer} trains a tokenizer; data.dataset=tokens is tokenized already",
+            "leave data.tokenizer unset; give the files' tokenizer as data.tokenizer_file (for generate)",
         )
     root = Path(os.path.expanduser(cfg.data.root))
     if not root.is_dir():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ddpkit.models.family import ModelFamily, images_refused
 from ddpkit.models.flops import decoder_flops
 from ddpkit.models.gpt import hf
 from ddpkit.models.gpt.keys import CARD
+from ddpkit.models.init import Step, init_tensors, normal, post_order, zeros
 from ddpkit.models.keys import activation_bytes, check_heads
 
 
@@ -110,21 +112,9 @@ class GPT(nn.Module):
         )
         self.ln_f: nn.Module | None = nn.LayerNorm(n_embd)
         self.head: nn.Module | None = nn.Linear(n_embd, vocab_size, bias=False)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
-            if name.endswith(("wo.weight", "proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
         if tie_embeddings:
             self.head.weight = self.tok_emb.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_tensors(self, init_steps)  # GPT-2's, from torch's global stream (nothing on the meta device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:  # the first stage (or the whole model): token ids in
@@ -138,6 +128,22 @@ class GPT(nn.Module):
         if self.head is not None:  # the last stage (or the whole model): logits out
             x = self.head(x)
         return x
+
+
+def init_steps(model: GPT) -> Iterator[Step]:
+    """GPT-2's initialisation after each layer's own (ModelFamily.init_weights): the Linear and Embedding weights
+    normal(0, 0.02) and the biases zero, module by module as nn.Module.apply visits them; then the residual
+    projections (the attention's output, the MLP's proj) normal(0, 0.02 / sqrt(2 n_layer)). A head tied to the
+    token embedding draws its own weight first, which the tie then replaces."""
+    for name, m in post_order(model):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            replaced = model.tie_embeddings and name == "head"
+            yield (None if replaced else f"{name}.weight"), m.weight, normal(0.02)
+            if getattr(m, "bias", None) is not None:
+                yield f"{name}.bias", m.bias, zeros
+    for name, p in model.named_parameters():
+        if name.endswith(("wo.weight", "proj.weight")):
+            yield name, p, normal(0.02 / math.sqrt(2 * model.n_layer))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -189,6 +195,7 @@ FAMILY = ModelFamily(
     hf=hf.CONVERTER,
     check_keys=check_heads,
     estimate=estimate_of,
+    init_weights=init_steps,
     # the learned position embedding costs no multiply (the PaLM estimate leaves it out)
     flops_per_token=functools.partial(decoder_flops, free=("pos_emb.",)),
     order=200,

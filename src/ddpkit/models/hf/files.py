@@ -22,10 +22,7 @@ MAX_INDEX_BYTES = 64 << 20  # an index names each tensor once: ~100 bytes a tens
 MAX_JSON_DEPTH = 32
 # the dtypes a weight may be stored in (safetensors' names); read into the model's float32 (or its own) tensors
 WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
-HINT = (
-    "give a folder saved by transformers' save_pretrained (config.json + model.safetensors) of an architecture "
-    "a model family reads"
-)
+HINT = "give a folder save_pretrained wrote (config.json, model.safetensors) of a family ddpkit reads"
 
 # a folder with tensors its model does not use
 UNUSED_HINT = (
@@ -69,7 +66,7 @@ def read_json(path: Path, max_bytes: int) -> Any:
     try:
         return loads_json(raw.decode("utf-8"), max_depth=MAX_JSON_DEPTH)
     except (ValueError, RecursionError) as e:
-        raise UserError(f"cannot read '{path}': {first_line(e, limit=150, joined=True)}", HINT) from None
+        raise UserError(f"cannot read '{path}': {first_line(e, limit=50, joined=True)}", HINT) from None
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -112,7 +109,7 @@ def _header(file: Path) -> dict[str, Entry]:
     except NotRegularFile as e:
         raise UserError(f"'{file}' is {e.strerror}, not a file", HINT) from None
     except (OSError, SafetensorError) as e:
-        raise UserError(f"cannot read '{file}': {first_line(e, limit=150, joined=True)}", HINT) from None
+        raise UserError(f"cannot read '{file}': {first_line(e, limit=50, joined=True)}", HINT) from None
 
 
 def read_headers(folder: Path) -> dict[str, Entry]:

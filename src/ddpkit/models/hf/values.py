@@ -143,7 +143,7 @@ def refuse_size(params: int, path: Path) -> None:
     if need > have:
         raise UserError(
             f"'{path}' describes a model of about {params:,} parameters ({need / 2**30:.0f} GiB in float32), "
-            f"more than this machine's {have / 2**30:.0f} GiB",
+            f"over this machine's {have / 2**30:.0f} GiB",
             "give a smaller model's folder, or read it on a machine with more memory",
         )
 

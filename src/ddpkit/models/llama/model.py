@@ -12,7 +12,7 @@ keyed "0", "1", ..., and `forward` skipping a part set to None.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
 from ddpkit.models.family import ModelFamily, images_refused
+from ddpkit.models.init import Step, init_tensors, normal, zeros
 from ddpkit.models.keys import activation_bytes, check_heads
 from ddpkit.models.llama import hf
 from ddpkit.models.llama.keys import CARD
@@ -190,20 +191,16 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleDict({str(i): self.block(i) for i in range(n_layer)})
         self.ln_f: nn.Module | None = nn.RMSNorm(n_embd, eps=norm_eps)
         self.head: nn.Module | None = nn.Linear(n_embd, vocab_size, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # residual projections scaled by depth, as the GPT's
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
         if tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        init_tensors(self, init_steps)  # from torch's global stream (nothing on the meta device)
 
-    def block(self, i: int) -> nn.Module:
-        """Block `i` of the stack (a family whose blocks differ, experts say, gives its own)."""
+    def block(self, i: int, mlp: nn.Module | None = None) -> nn.Module:
+        """Block `i` of the stack, its MLP `mlp` or a SwiGLU (a family whose blocks differ, experts say, gives its
+        own)."""
         return Block(
             self.n_embd, self.n_head, self.n_kv_head, self.ffn_hidden, self.rope_theta, self.norm_eps,
-            self.dropout, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
+            self.dropout, mlp, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
             qk_norm_eps=self.norm_eps if self.qk_norm else None, window=self.sliding_window,
         )  # fmt: skip
 
@@ -217,6 +214,20 @@ class Llama(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
+
+
+def init_steps(model: Llama) -> Iterator[Step]:
+    """Its initialisation after each layer's own (ModelFamily.init_weights), as the GPT's: every matrix normal(0,
+    0.02), the residual projections (the attention's output, the SwiGLU's down) normal(0, 0.02 / sqrt(2
+    n_layer)), the biases (Qwen2's q, k and v) zero, in the order of named_parameters; a head tied to the token
+    embedding draws its own weight first, which the tie then replaces."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.dim() == 2:
+            std = 0.02 / math.sqrt(2 * model.n_layer) if name.endswith(("wo.weight", "down.weight")) else 0.02
+            replaced = model.tie_embeddings and name == "head.weight"
+            yield (None if replaced else name), p, normal(std)
+        elif name.endswith(".bias"):
+            yield name, p, zeros
 
 
 def builder(model: type[Llama], windowed: bool = False) -> Callable[[str, int, int, Any], nn.Module]:
@@ -277,5 +288,6 @@ FAMILY = ModelFamily(
     hf=hf.CONVERTER,
     check_keys=check_keys,
     estimate=estimate_of,
+    init_weights=init_steps,
     order=300,
 )

@@ -8,7 +8,7 @@ import os
 import torch
 from torch import nn
 
-from ddpkit.errors import UserError
+from ddpkit.errors import UserError, first_line
 from ddpkit.models.family import ModelFamily
 from ddpkit.models.torchvision.keys import CARD
 
@@ -52,9 +52,8 @@ def pretrained_weights(arch: str) -> dict[str, torch.Tensor]:
     except OSError as e:  # URLError, socket errors, a read-only cache directory
         hub = os.path.join(torch.hub.get_dir(), "checkpoints")
         raise UserError(
-            f"cannot download torchvision's {arch} weights ({getattr(e, 'reason', e)})",
-            f"download {weights.url} on a machine with internet access and pass the file as "
-            f"model.pretrained=PATH, or put it in {hub}",
+            f"cannot download torchvision's {arch} weights ({first_line(getattr(e, 'reason', e), 40)})",
+            f"download {weights.url} elsewhere and give it as model.pretrained=PATH, or put it in {hub}",
         ) from None
 
 

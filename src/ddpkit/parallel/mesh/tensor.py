@@ -21,8 +21,7 @@ def plan_for(model: nn.Module, tp: int, family: ModelFamily | None = None) -> di
     if family is None or family.tp_plan is None:
         raise UserError(
             f"dist.tp={tp}: there is no tensor-parallel plan for a {type(model).__name__}",
-            "pass torch's plan: ddpkit.prepare(model, tp=2, tp_plan={...}), or declare one in its model family "
-            "(ModelFamily.tp_plan)",
+            "pass ddpkit.prepare(model, tp=2, tp_plan={...}), or declare ModelFamily.tp_plan",
         )
     return family.tp_plan(model, tp)
 
@@ -46,8 +45,8 @@ def apply_tensor_parallel(
         return parallelize_module(model, tp_mesh, plan)
     except (ValueError, KeyError, AttributeError, RuntimeError) as e:
         raise UserError(
-            f"the tensor-parallel plan does not fit the model: {first_line(e)}",
-            "name submodules of the model (model.named_modules()) with torch.distributed.tensor.parallel styles",
+            f"the tensor-parallel plan does not fit the model: {first_line(e, 60)}",
+            "map submodule names (model.named_modules()) to torch's ParallelStyle",
         ) from None
 
 

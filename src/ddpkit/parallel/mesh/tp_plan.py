@@ -119,16 +119,15 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
                 others = ", ".join(n for n in shared[0] if n != mine)
                 raise UserError(
                     f"{where}: tp_plan entry '{entry}' splits {mine}, which the model shares with {others} (tied "
-                    "weights): split, it would no longer be the same tensor",
+                    "weights)",
                     f"leave the modules of {mine} and {others} out of the plan",
                 )
         if not found:
             close = difflib.get_close_matches(entry, names, n=1)
             raise UserError(
-                f"{where}: tp_plan entry '{entry}' matches no module of {type(model).__name__}, so it would run "
-                "unsplit",
+                f"{where}: tp_plan entry '{entry}' matches no module of {type(model).__name__}, so it would run unsplit",
                 (f"did you mean '{close[0]}'? " if close else "")
-                + "name modules as model.named_modules() spells them ('*' matches one part)",
+                + "name them as model.named_modules() does ('*': one part)",
             )
         for name, module in found:
             split = split_size(style, module)
@@ -141,7 +140,7 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
                     f"{where}: tp_plan entry '{entry}' splits {name}.{what}={size} over tp={tp} ranks"
                     + (f" in {chunks} chunks" if chunks > 1 else "")
                     + ", which does not divide it",
-                    f"use a tp that divides {size // chunks if chunks > 1 else size}, or leave {name} out of the plan",
+                    f"use a tp dividing {size // chunks if chunks > 1 else size}, or leave {name} out",
                 )
             fused = (
                 type(style) is ColwiseParallel
@@ -150,11 +149,9 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int, where: str = "dd
             )
             if fused:
                 raise UserError(
-                    f"{where}: tp_plan entry '{entry}' splits {name} ({module.in_features} -> "
-                    f"{module.out_features}: q, k and v in one Linear) into contiguous blocks, which gives a rank "
-                    "parts of q and k instead of its heads",
-                    "use ddpkit.parallel.mesh.tp_plan.FusedColwiseParallel(chunks=3) for it, with an attention "
-                    "that takes its heads from the tensor (docs/porting.md), or leave it out of the plan",
+                    f"{where}: tp_plan entry '{entry}' splits {name} ({module.in_features} -> {module.out_features}: "
+                    "q, k and v in one Linear) into contiguous blocks, not heads",
+                    "use FusedColwiseParallel(chunks=3) (docs/porting.md)",
                 )
 
 

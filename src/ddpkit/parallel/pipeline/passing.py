@@ -18,7 +18,7 @@ from torch import nn
 
 from ddpkit.errors import UserError, first_line
 
-NEEDS = "a pipeline stage gives the next one tensors only"
+NEEDS = "stages pass only tensors"
 
 
 def described(value: Any) -> str:
@@ -45,8 +45,7 @@ def check_output(out: Any, stage: nn.Module, index: int, n_stages: int) -> None:
         if values and all(isinstance(v, torch.Tensor) for v in values):
             return
         raise UserError(
-            f"pipeline stage {index} of {name}, the last, gives loss_fn {described(out)}; the pipeline gives "
-            "loss_fn a tensor",
+            f"pipeline stage {index} of {name}, the last, gives loss_fn {described(out)}, not a tensor",
             "make the model's forward return a tensor: its logits (a transformers output's `.logits`)",
         )
     values = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -58,7 +57,7 @@ def check_output(out: Any, stage: nn.Module, index: int, n_stages: int) -> None:
         raise UserError(
             f"pipeline stage {index} of {name} gives stage {index + 1} {described(value)} as its value {i}{source}; "
             f"{NEEDS}",
-            "cut where only tensors cross (pp_split), or compute that value inside each stage",
+            "cut (pp_split) where only tensors cross, or compute it per stage",
         )
 
 
@@ -74,8 +73,7 @@ def checked_loss(loss_fn: Callable) -> Callable:
                 else described(value)
             )
             raise UserError(
-                f"the pipeline's loss_fn gave {shape}; a pipeline's backward starts from the micro-batch's mean "
-                "loss, one number",
+                f"the pipeline's loss_fn gave {shape}; a pipeline's backward starts from the mean loss, one number",
                 "return the mean: e.g. F.cross_entropy(logits.flatten(0, 1), targets.flatten())",
             )
         return value
@@ -93,9 +91,8 @@ def refusal(error: BaseException) -> BaseException | None:
             return seen
         if type(seen).__name__ == "PipeliningMetadataError":
             return UserError(
-                f"torch's pipeline refused what a stage passes: {first_line(seen, joined=True)}",
-                "a pipeline stage takes and gives tensors, of one shape and dtype at every step; give every "
-                "step batches of one shape",
+                f"torch's pipeline refused what a stage passes: {first_line(seen, limit=80, joined=True)}",
+                "give every step batches of one shape and dtype",
             )
         seen = seen.__cause__ or seen.__context__
     return None

@@ -30,9 +30,9 @@ def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key
         )
     if len(names) != n_stages - 1:
         raise UserError(
-            f"{key} has {len(names)} split point(s), which cut the model into {len(names) + 1} stage(s), "
-            f"but the pipeline runs {n_stages}",
-            f"give {n_stages - 1} module name(s) where a new stage begins",
+            f"{key} has {len(names)} split point(s), which cut the model into {len(names) + 1} stage(s), but the "
+            f"pipeline runs {n_stages}",
+            f"give {n_stages - 1} split point(s)",
         )
     order = list(modules)  # registration order: the order a forward of a stack of blocks reaches them
     for before, after in zip(names, names[1:], strict=False):
@@ -40,7 +40,7 @@ def check_split_names(model: nn.Module, names: Sequence[str], n_stages: int, key
             raise UserError(
                 f"{key} lists '{after}' after '{before}', but it does not begin a later stage of "
                 f"{type(model).__name__} ({'the same module' if after == before else 'it comes first or inside it'})",
-                "list the split points in the order the model's forward reaches them, each once",
+                "list the split points in the order the model's forward reaches them",
             )
 
 
@@ -52,8 +52,8 @@ def _trace(model: nn.Module, names: Sequence[str], example: tuple):
     except Exception as e:  # the tracer's own errors are many and varied
         raise UserError(
             f"torch's pipeline tracer could not cut {type(model).__name__} at {list(names)}: "
-            f"{first_line(e, joined=True)}",
-            "split at modules whose forward runs in sequence, with tensors flowing between them",
+            f"{first_line(e, limit=50, joined=True)}",
+            "split at modules that run in sequence, tensors flowing between them",
         ) from None
     if pipe.num_stages != len(names) + 1:
         raise UserError(
@@ -169,6 +169,6 @@ def micro_chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     if t.shape[0] % n:
         raise UserError(
             f"a batch of {t.shape[0]} samples cannot be cut into {n} equal pipeline micro-batches",
-            f"use a batch size that is a multiple of {n} (drop_last=True keeps every batch full)",
+            f"use a batch size that is a multiple of {n} (and drop_last=True)",
         )
     return list(t.chunk(n))

@@ -70,7 +70,7 @@ class PipelineModel:
             ws = dist.get_world_size() if dist.is_initialized() else 1
             raise UserError(
                 f"ddpkit.prepare(pp={pp}) needs a multiple of {pp} processes, this job has {ws}",
-                f"launch it with `ddpkit run --nproc-per-node {pp} script.py` (or a multiple of {pp})",
+                f"launch it with `ddpkit run --nproc-per-node {pp} script.py`",
             )
         check_split_names(model, list(pp_split), pp * stages_per_rank(schedule))
         self.model, self.names, self.loss_fn = model, list(pp_split), loss_fn
@@ -160,9 +160,9 @@ class PipelineModel:
             )
         if self.shape is not None and (tuple(x.shape), x.dtype) != self.shape:
             raise UserError(
-                f"model.step() got x of shape {tuple(x.shape)} ({x.dtype}); the pipeline's stages pass tensors of "
-                f"the shapes its first step gave them, from x of shape {self.shape[0]} ({self.shape[1]})",
-                "give every step x of one shape (pad or cut sequences to one length)",
+                f"model.step() got x of shape {tuple(x.shape)} ({x.dtype}); the stages pass the shapes made "
+                f"from x of shape {self.shape[0]} ({self.shape[1]})",
+                "give every step x of one shape (pad or cut sequences)",
             )
         self.shape = (tuple(x.shape), x.dtype)
         try:

@@ -1,8 +1,10 @@
 """fsdp: FSDP2 (fully_shard), ZeRO-3: parameters, gradients and optimizer state sharded over the ranks.
 
-Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors
-further; a pipeline: each stage, train/steps/pipeline.py); dist.offload=cpu keeps the shards, their gradients and the optimizer state in CPU memory
-(CPUOffloadPolicy). The base Strategy gathers and scatters the full state of the DTensor parameters.
+Over the "dp" dim of the device mesh when the model is split (tensor parallel: FSDP2 shards the DTensors further;
+a pipeline: each stage, train/steps/pipeline.py); dist.offload=cpu keeps the shards, their gradients and the
+optimizer state in CPU memory (CPUOffloadPolicy); train.amp=bf16 is FSDP2's own mixed precision
+(MixedPrecisionPolicy: bf16 gathers and compute, float32 reduce-scatters and master weights) instead of autocast over
+float32 gathers. The base Strategy gathers and scatters the full state of the DTensor parameters.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class FSDPStrategy(Strategy):
         None  # torch's default, ZeRO-3: gathered for forward and again for backward
     )
 
-    def shard_options(self) -> dict:
-        """fully_shard's keyword arguments (a subclass changes what is resharded or offloaded)."""
+    def shard_options(self, root: bool = False) -> dict:
+        """fully_shard's keyword arguments for a unit, or the `root` (a subclass changes what is resharded or
+        offloaded)."""
         options: dict = {}
         if self.reshard_after_forward is not None:
             options["reshard_after_forward"] = self.reshard_after_forward
@@ -33,7 +36,22 @@ class FSDPStrategy(Strategy):
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+        if self.amp == "bf16":
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # FSDP2's own mixed precision: parameters all-gathered and computed in bf16 (half the bytes of a
+            # float32 gather), gradients reduce-scattered and kept in float32 beside float32 master shards; the
+            # root's output (the logits) in float32, where the loss is taken, as under autocast
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                output_dtype=torch.float32 if root else None,
+            )
         return options
+
+    def step_autocast(self, autocast):
+        return contextlib.nullcontext if self.amp == "bf16" else autocast
 
     def wrap(self, model: nn.Module) -> nn.Module:
         import torch
@@ -49,11 +67,15 @@ class FSDPStrategy(Strategy):
         stage's wrapper, whose forward the schedule calls); returns the root."""
         from torch.distributed.fsdp import fully_shard
 
-        options = self.shard_options()
+        left: dict = {}  # what the dense units leave alone
+        if self.experts is not None:  # the routed experts split over dist.ep: over their edp ranks first
+            from ddpkit.parallel.experts.apply import shard_experts
+
+            left = shard_experts(model, self.experts, self.shard_options())
         for block in shard_units(model):  # one shard group per block, then the root
-            fully_shard(block, **options)
+            fully_shard(block, **self.shard_options(), **left)
         root = model if root is None else root
-        fully_shard(root, **options)
+        fully_shard(root, **self.shard_options(root=True), **left)
         return root
 
     def unwrap(self, wrapped):
@@ -66,9 +88,14 @@ class FSDPStrategy(Strategy):
     def collective_forward(self) -> bool:
         return True
 
+    @contextlib.contextmanager
     def sync_context(self, wrapped, sync):
         wrapped.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
+        yield
+        if sync and self.experts is not None and not self.experts.shardable:  # experts FSDP2 left alone
+            from ddpkit.parallel.experts.apply import reduce_expert_grads
+
+            reduce_expert_grads(wrapped, self.experts)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -147,6 +174,8 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     offloads=True,
     with_pp=True,
+    with_ep=True,
     auto=("offload",),
     recognizes=_recognizes,
+    wraps_meta=True,
 )

@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from ddpkit.data.prefetch import to_device
 from ddpkit.models import model_family
+from ddpkit.parallel.experts.apply import apply_expert_parallel
+from ddpkit.parallel.experts.meshes import expert_meshes
 from ddpkit.parallel.mesh import Layout, build_mesh
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.pipeline import stage_state
@@ -59,6 +61,13 @@ class PipelineSteps(StepRunner):
     @property
     def clip_target(self) -> Any:
         return self.runner  # the norm over every stage of every pipeline rank
+
+    @property
+    def dp_group(self) -> Any:
+        return self.runner.dp_group
+
+    def loss_scale(self) -> float:
+        return 1.0  # the schedule divides the gradients by the micro-batches, forward_backward by the steps
 
     def begin_epoch(self, sums: Any) -> None:
         """A rank that runs no last stage keeps the partial sums a resume restored (`sums`: rank 0 holds them);
@@ -108,9 +117,12 @@ class PipelineSteps(StepRunner):
         return self.task.val_fields(sums.tolist())
 
 
-def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, **step) -> PipelineSteps:
+def build(
+    cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, make: Any = None, **step
+) -> PipelineSteps:
     """This rank's stages of `model` and the runner feeding them (collective: builds the device mesh; `mesh`, the
-    plain runner's, is None here)."""
+    plain runner's, is None here). A model on the meta device is cut and split there, and `make` makes each of
+    this rank's stages (parallel/materialize.py): after FSDP2 shards them, before DDP wraps them."""
     d = cfg.dist
     coords = layout.coords(ctx.rank)
     mesh = build_mesh(layout, ctx.device.type)
@@ -118,10 +130,12 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = eval_stages = None
     shared: list = []
-    family = model_family(cfg.model.arch)
+    family = model_family(cfg.model.arch, cfg.model)
     if family.pp_stage is not None:  # the family cuts itself (a rank running several stages cuts copies)
         stages = [family.pp_stage(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages) for s in ids]
     else:  # traced at its split points on one micro-batch of images, so every batch through it has that size
+        if make is not None:  # the tracer runs the model: made whole first
+            model, make = make(model), None
         fixed = cfg.train.batch_size // micro
         example = (torch.zeros(fixed, spec.in_channels, spec.image_size, spec.image_size, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
@@ -130,9 +144,18 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
         layout.tp > 1
     ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
         stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
+    experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
+    if experts is not None:  # each stage's routed experts split over its ep peers
+        stages = [apply_expert_parallel(s, experts) for s in stages]
     name, shard = pipeline_strategy(d.strategy, layout), None
-    if not get_strategy(name).replicates:  # FSDP2 over the dp dim of each (tensor-parallel) stage
-        sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard)
+    replicated = get_strategy(name).replicates
+    for stage in stages if make is not None and replicated else ():
+        make(stage)  # whole on each replica, before DDP broadcasts it
+    if not replicated:  # FSDP2 over the dp dim of each (tensor-parallel) stage
+        sharding = build_strategy(
+            name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp, experts=experts
+        )
+        step["autocast"] = sharding.step_autocast(step["autocast"])  # none where FSDP2 casts itself
 
         def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
             return sharding.shard(edges.stage, root=edges)
@@ -150,7 +173,10 @@ def build(cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, *
         eval_stages=eval_stages,
         shared=shared,
         shard=shard,
+        experts=experts,
     )
+    for stage in stages if make is not None and not replicated else ():
+        make(stage)  # each rank its FSDP2 shards only
     return PipelineSteps(runner, stages, layout, name, fixed, ctx, **step)
 
 
