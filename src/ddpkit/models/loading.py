@@ -216,8 +216,12 @@ def _folder_for(model: nn.Module, path: str) -> Any:
         given = {n: getattr(getattr(folder.cfg, k.rpartition(".")[0]), n) for n, k in settings.items()}
     else:
         given = {k: v for k, v in folder.shape.items() if k not in ("vocab_size", "block_size")}
-    for key, value in given.items():  # the tensors' shapes are checked next; these change what they compute
-        if key not in ("vocab_size", "block_size") and hasattr(model, key) and getattr(model, key) != value:
+    # the tensors' shapes are checked next; these change what they compute (a null one is the key's default, which
+    # the model resolves as it was built from it: a head_dim left null is n_embd / n_head)
+    for key, value in given.items():
+        if value is None or key in ("vocab_size", "block_size"):
+            continue
+        if hasattr(model, key) and getattr(model, key) != value:
             raise UserError(
                 f"model.init_from '{path}' has {key}={value} but this config gives {getattr(model, key)}",
                 f"set model.{key}={str(value).lower()}",

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpkit import _moved
 from ddpkit.config.declared import check_with, declare_values
 from ddpkit.config.schema import yaml_text
 from ddpkit.errors import UserError
@@ -340,15 +339,3 @@ def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
         if entry.recognizes is not None and entry.recognizes(model, optimizer):
             return entry.cls(ctx)
     return Strategy(ctx)
-
-
-# the built-in strategies' classes, importable from here (and from the old ddpkit.distributed.strategy) as before
-__getattr__ = _moved.names(
-    __name__,
-    {
-        "DDPStrategy": "ddpkit.parallel.strategies.ddp",
-        "DataParallelStrategy": "ddpkit.parallel.strategies.dp",
-        "FSDPStrategy": "ddpkit.parallel.strategies.fsdp",
-        "Zero1Strategy": "ddpkit.parallel.strategies.zero1",
-    },
-)

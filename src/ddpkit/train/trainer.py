@@ -52,7 +52,7 @@ from ddpkit.train.metrics_file import EpochEnd, make_row, measured
 from ddpkit.train.rundir import RunDir
 from ddpkit.train.steps import StepRunner, build_runner
 from ddpkit.train.stop import NonFiniteLoss, StopAgreement
-from ddpkit.train.tasks import Task, evaluate, task_for  # noqa: F401  (evaluate: ddpkit.evaluate's module)
+from ddpkit.train.tasks import Task, task_for
 from ddpkit.train.train_state import TrainState
 
 VAL_KEYS = ("val_loss", "val_acc1", "val_acc5", "val_ppl", "val_samples")
@@ -415,4 +415,4 @@ class Trainer:
                 self.heartbeat.close()
 
 
-__all__ = ["Trainer", "evaluate"]
+__all__ = ["Trainer"]

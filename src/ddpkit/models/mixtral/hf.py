@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpkit.errors import UserError
 from ddpkit.models.family import HFConverter, HFFixed, HFKey, HFTensor
-from ddpkit.models.llama.hf import FIXED, KEYS, LLAMA_PARTS, llama_check, llama_extra
+from ddpkit.models.llama.hf import FIXED, KEYS, LLAMA_PARTS, llama_extra
 
 ATTENTION = {ours: theirs for ours, theirs in LLAMA_PARTS.items() if not ours.startswith("mlp.")}
 EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}  # Mixtral's names of a SwiGLU expert's matrices
@@ -84,7 +84,6 @@ CONVERTER = HFConverter(
     "Mixtral",
     keys=MIXTRAL_KEYS,
     fixed=MIXTRAL_FIXED,
-    check=llama_check,
     tensors=mixtral_tensors,
     ignored=lambda m: (r"\.rotary_emb\.inv_freq$", *((r"^lm_head\.weight$",) if m.tie_embeddings else ())),
     extra=mixtral_extra,

@@ -88,7 +88,8 @@ def builder(model: type[ExpertLlama], **fixed: Any) -> Callable[[str, int, int, 
         return model(
             vocab_size, block_size, m.n_layer, m.n_head, m.n_embd, n_kv_head=m.n_kv_head,
             ffn_hidden=m.ffn_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-            tie_embeddings=m.tie_embeddings, dropout=m.dropout, routing=Routing.of(m), moe_every=m.moe_every,
+            tie_embeddings=m.tie_embeddings, dropout=m.dropout, head_dim=m.head_dim, routing=Routing.of(m),
+            moe_every=m.moe_every,
             moe_ffn_hidden=m.moe_ffn_hidden, n_shared_experts=m.n_shared_experts, **fixed,
         )  # fmt: skip
 
