@@ -108,6 +108,8 @@ RUN = {
     "ddpkit train -c configs/text_gpt.yaml dist.tp=2 checkpoint.format=sharded --nproc-per-node 4 --oversubscribe": (
         "test_language_model_lines_train_as_written"
     ),
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=fsdp checkpoint.format=sharded checkpoint.async_save=true "
+    "--nproc-per-node 2": "test_language_model_lines_train_as_written",
     # the pod's command: the one the line above writes (`...`: the config's values); test_k8s.py runs it
     'python -m ddpkit train out_dir=runs/r18 ... data.root=/data --nproc-per-node 4 --nnodes 2 --node-rank "$RANK" '
     '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"': "test_k8s_manifest",
