@@ -30,30 +30,50 @@ def test_editors_resolve_every_public_name_to_the_module_it_loads_from():
         assert getattr(ddpkit, name) is getattr(importlib.import_module(module), name), name
 
 
-@pytest.mark.parametrize("name", sorted(ddpkit._DEPRECATED))
-def test_a_framework_internal_at_the_top_level_warns_and_names_its_module(name):
-    module = ddpkit._DEPRECATED[name]
-    with pytest.warns(DeprecationWarning, match=f"from {module} import {name}"):
-        obj = getattr(ddpkit, name)
-    assert obj is getattr(importlib.import_module(module), name)
+# the framework's classes, once importable from the top level too: from their modules only (0.1.0 shipped no
+# top-level alias, so none is kept)
+INTERNALS = {
+    "Trainer": "ddpkit.train.trainer",
+    "evaluate": "ddpkit.train.tasks",
+    "Config": "ddpkit.config",
+    "load_config": "ddpkit.config",
+    "DistEnv": "ddpkit.cluster.env",
+    "DistributedLoader": "ddpkit.data",
+    "GlobalOrderSampler": "ddpkit.data",
+    "ExactEvalSampler": "ddpkit.data",
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTERNALS))
+def test_a_framework_internal_is_imported_from_its_module_not_the_top_level(name):
+    assert getattr(importlib.import_module(INTERNALS[name]), name) is not None
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(ddpkit, name)
     assert name not in ddpkit.__all__
 
 
-def test_gather_object_is_gather_object_to_under_its_old_name_one_release_more():
-    with pytest.warns(DeprecationWarning, match="gather_object_to"):
-        assert ddpkit.gather_object({"a": 1}) == ddpkit.gather_object_to({"a": 1}) == [{"a": 1}]
-    assert ddpkit.all_gather_object(3) == [3]
-    assert "gather_object" not in ddpkit.__all__
+def test_the_collectives_have_one_name_each():
+    assert ddpkit.gather_object_to({"a": 1}) == [{"a": 1}] and ddpkit.all_gather_object(3) == [3]
     assert "None on the others" in inspect.getdoc(ddpkit.gather_object_to)
-
-
-def test_seed_model_init_is_seed_everything_one_release_more():
     ddpkit.seed_everything(7)
     want = torch.rand(3)
-    with pytest.warns(DeprecationWarning, match=r"seed_everything\(seed\)"):
-        ddpkit.seed_model_init(7)
+    ddpkit.seed_everything(7)
     assert torch.equal(torch.rand(3), want)
-    assert "seed_model_init" not in ddpkit.__all__
+    for gone in ("gather_object", "seed_model_init"):  # the old names of gather_object_to, seed_everything
+        assert not hasattr(ddpkit, gone) and gone not in ddpkit.__all__
+
+
+def test_no_module_is_importable_under_an_old_name():
+    import subprocess
+    import sys
+
+    code = "import ddpkit, importlib\nfor old in ('ddpkit.trainer', 'ddpkit.gpt', 'ddpkit.distributed.launch'):\n"
+    code += (
+        "    try:\n        importlib.import_module(old)\n    except ModuleNotFoundError:\n        continue\n"
+    )
+    code += "    raise SystemExit(old)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
 _DETERMINISTIC = """

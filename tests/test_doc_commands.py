@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import shlex
 import shutil
@@ -66,22 +67,59 @@ RUN = {
     "registry.example.com/ddpkit:0.1 --name r18 --pvc ddpkit-runs --cpu 16 --memory 64Gi --data-pvc imagenet "
     "--backoff-limit 3 > r18.yaml": "test_k8s_manifest",
     "ddpkit run torchrun_ddp.py --epochs 3": "test_run_one_process",
+    # the language-model lines (docs/language-model.md, parallelism.md, pipeline.md, run-dir.md): each line's own
+    # config and layout, shortened (test_language_model_lines_train_as_written says how)
+    "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_llama.yaml dist.tp=2 model.activation_checkpointing=full --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_llama.yaml model.arch=qwen3 --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_llama.yaml model.arch=mistral model.sliding_window=32 --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=ddp --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=zero1 --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=zero2 --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=fsdp dist.offload=cpu --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=hsdp dist.dp_shard=2 --nproc-per-node 4 --oversubscribe": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_gpt.yaml dist.tp=2 --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.tp=2 --nproc-per-node 4 --oversubscribe": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml model.activation_checkpointing=full": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml model.activation_checkpointing=selective": (
+        "test_language_model_lines_train_as_written"
+    ),
+    **{
+        f"ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule={s} --nproc-per-node 2": (
+            "test_language_model_lines_train_as_written"
+        )
+        for s in ("interleaved_zb", "zbv", "dualpipev")
+    },
+    "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.pp_schedule=interleaved_1f1b --nproc-per-node 2": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_gpt.yaml dist.pp=2 --nproc-per-node 4 --oversubscribe": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.pp=2 dist.tp=2 --nproc-per-node 4 --oversubscribe": "test_language_model_lines_train_as_written",
+    "ddpkit train -c configs/text_gpt.yaml dist.tp=2 checkpoint.format=sharded --nproc-per-node 4 --oversubscribe": (
+        "test_language_model_lines_train_as_written"
+    ),
+    "ddpkit train -c configs/text_gpt.yaml dist.strategy=fsdp checkpoint.format=sharded checkpoint.async_save=true "
+    "--nproc-per-node 2": "test_language_model_lines_train_as_written",
     # the pod's command: the one the line above writes (`...`: the config's values); test_k8s.py runs it
     'python -m ddpkit train out_dir=runs/r18 ... data.root=/data --nproc-per-node 4 --nnodes 2 --node-rank "$RANK" '
     '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"': "test_k8s_manifest",
 }
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
-TP_TEST = "tests/parallel/test_tensor_parallel.py::test_ddpkit_train_layout_equals_one_process"
 LM_LOOP = "tests/commands/test_generate.py"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
-    ),
-    # the tiny transformer on a small text, train.max_steps=3, sgd at a constant lr (the reference's settings)
-    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 checkpoint.format=sharded --nproc-per-node 4": (
-        "tests/checkpoint/test_sharded_checkpoint.py::"
-        "test_a_dp2_tp2_sharded_checkpoint_continues_on_fewer_processes_to_the_unbroken_weights"
     ),
     "make demo": "tests/test_doc_commands.py::test_make_demo_trains_what_the_makefile_says",
     "ddpkit info --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
@@ -143,9 +181,6 @@ COVERED = {
         "tests/porting/test_hf_model.py::test_a_transformers_llama_trains_under_every_layout_as_its_unported_script",
     ),
     # docs/language-model.md: the lines with a tiny model and text added (one run shared by the tests there)
-    "ddpkit train -c configs/text_gpt.yaml --nproc-per-node 2": (
-        "tests/train/test_text_lm.py::test_language_model_metrics_hold_loss_perplexity_and_tokens"
-    ),
     "ddpkit eval -c configs/text_gpt.yaml checkpoint.path=runs/text_gpt/checkpoints/best.pt": (
         "tests/train/test_text_lm.py::test_eval_scores_the_checkpoint_as_training_did"
     ),
@@ -153,57 +188,23 @@ COVERED = {
         "tests/train/test_text_lm.py::test_report_shows_a_language_models_loss_perplexity_and_tokens"
     ),
     # docs/language-model.md's loop: each line with a tiny model and text added (two runs shared by the tests)
-    "ddpkit train model.arch=gpt data.dataset=text data.tokenizer=bpe data.vocab_size=256 checkpoint.format=sharded "
+    "ddpkit train -c configs/text_gpt.yaml data.tokenizer=bpe data.vocab_size=256 checkpoint.format=sharded "
     "out_dir=runs/bpe --nproc-per-node 2": f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe --prompt "import os" --temperature 0': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
     'ddpkit generate runs/bpe/checkpoints/last.dcp --prompt "import os" --temperature 1.5 --top-k 50 --seed 1': f"{LM_LOOP}::test_a_bpe_run_saves_its_tokenizer_and_generate_repeats_greedy_text_from_sharded_checkpoints",
-    "ddpkit train model.arch=gpt data.dataset=tokens data.root=bins data.vocab_size=256 "
-    "data.tokenizer_file=runs/bpe/tokenizer.json model.init_from=gpt2-tiny model.gelu_approximate=tanh "
-    "model.tie_embeddings=true out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train -c configs/text_gpt.yaml data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
+    "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
-    "ddpkit train model.arch=llama model.n_kv_head=2 model.rope_theta=500 data.dataset=text dist.tp=2 "
-    "model.activation_checkpointing=full --nproc-per-node 2": (
-        "tests/models/test_llama.py::test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process"
-    ),
-    # docs/parallelism.md: each layout with the tiny transformer, 6 steps, compared with one process
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
-    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=ddp --nproc-per-node 2": f"{TP_TEST}[ddp]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero1 --nproc-per-node 2": f"{TP_TEST}[zero1]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=zero2 --nproc-per-node 2": f"{TP_TEST}[zero2]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=fsdp dist.offload=cpu --nproc-per-node 2": f"{TP_TEST}[fsdp_offload]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 2": f"{TP_TEST}[tp2]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 --nproc-per-node 4": f"{TP_TEST}[dp2xtp2]",
-    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=full": f"{TP_TEST}[checkpointing]",
-    "ddpkit train model.arch=gpt data.dataset=text model.activation_checkpointing=selective": (
-        "tests/parallel/test_activation_checkpointing.py::test_selective_recomputation_equals_none_in_one_process"
-    ),
-    # docs/pipeline.md: each line on a tiny GPT and text file, 6 steps, compared with one process
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=gpipe --nproc-per-node 2": (
-        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-gpipe]"
-    ),
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=1f1b --nproc-per-node 2": (
-        "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-1f1b]"
-    ),
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule=interleaved_1f1b "
-    "--nproc-per-node 2": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[pp2-interleaved]",
-    # the zero-bubble schedules: the Trainer of these lines on 2 pooled ranks, the tiny GPT, 6 steps
-    **{
-        f"ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.pp_schedule={s} --nproc-per-node 2": (
-            "tests/parallel/test_pipeline_schedules.py::test_the_zero_bubble_schedules_equal_one_process"
-        )
-        for s in ("interleaved_zb", "zbv", "dualpipev")
-    },
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[dp2xpp2]",
-    "ddpkit train model.arch=gpt data.dataset=text dist.pp=2 dist.tp=2 --nproc-per-node 4": "tests/parallel/test_pipeline.py::test_ddpkit_train_under_a_pipeline_equals_the_single_process_run[tp2xpp2]",
-    # docs/parallelism.md's HSDP and 3-D lines, on the tiny transformer, compared with one process
-    "ddpkit train model.arch=gpt data.dataset=text dist.strategy=hsdp dist.dp_shard=2 --nproc-per-node 4": (
-        "tests/parallel/test_3d.py::test_hsdp_2x2_and_zero2_over_a_pipeline_with_accumulation_equal_one_process"
-    ),
-    "ddpkit train model.arch=gpt data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
+    # docs/parallelism.md's 3-D lines: the layout on 8 processes with the tiny transformer, compared with one process
+    # (test_every_language_model_line_takes_the_language_model_recipe checks the line's recipe)
+    "ddpkit train -c configs/text_gpt.yaml dist.tp=2 dist.pp=2 dist.strategy=fsdp train.max_steps=100 "
+    "--nproc-per-node 8 --oversubscribe": (
         "tests/parallel/test_3d.py::"
         "test_fsdp_over_tp2_pp2_with_accumulation_writes_a_sharded_checkpoint_that_one_process_continues"
     ),
-    "ddpkit train model.arch=llama data.dataset=text dist.tp=2 dist.pp=2 dist.strategy=fsdp --nproc-per-node 8": (
+    "ddpkit train -c configs/text_llama.yaml dist.tp=2 dist.pp=2 dist.strategy=fsdp train.max_steps=100 "
+    "--nproc-per-node 8 --oversubscribe": (
         "tests/models/test_llama.py::"
         "test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process[fsdp]"
     ),
@@ -405,7 +406,7 @@ def assert_parses(shown: str, words: list[str], launched_elsewhere: bool) -> Non
     from ddpkit.cli import _load, command_parser, parse
     from ddpkit.commands import COMMANDS
     from ddpkit.commands.run import _parser, split
-    from ddpkit.launcher.launch import spec_from_args
+    from ddpkit.launcher.spec import spec_from_args
 
     try:
         if COMMANDS[words[0]].mode == "script" and words[0] != "run":  # generate, export: their own flags
@@ -639,6 +640,85 @@ def test_run_one_process(tmp_path):
     (tmp_path / "torchrun_ddp.py").write_text((REPO / "tests" / "scripts" / "torchrun_ddp.py").read_text())
     out = finish(start(line, cwd=tmp_path))[0]
     assert (tmp_path / "snapshot.pt").is_file(), out
+
+
+# The language-model lines. Every one (whatever its class) starts from configs/text_gpt.yaml or text_llama.yaml,
+# the language-model recipe (AdamW at its own lr, a warmup, a cosine decay over a step budget of at most 200
+# optimizer steps), changes none of the recipe's keys but to shorten the budget, and carries --oversubscribe
+# where it starts more processes than a 2-core machine has. Those run here: the Trainer that `ddpkit train` runs,
+# on the test worker's pooled ranks of the line's world size (no launch: test_every_ddpkit_line_parses_as_the_cli_
+# parses_it checks the launch flags), the line's config and layout for 1 optimizer step on the first 20 kB of
+# its text (as written: 200 steps on 1 MB, under 5 minutes on 2 cores, docs/language-model.md). The 8-process
+# lines are the 3-D tests' (COVERED).
+LM_CONFIGS = ("configs/text_gpt.yaml", "configs/text_llama.yaml")
+RECIPE = ("optim.", "train.epochs", "train.batch_size", "train.grad_accum_steps", "train.clip_grad_norm")
+SHORT = ["train.max_steps=1", "data.text_bytes=20000", "report.curves=false"]
+
+
+def _language_model_lines() -> list[str]:
+    from ddpkit.models import language_models
+
+    named = re.compile(r"model\.arch=(\S+)|data\.dataset=(text|tokens)\b|configs/text_")
+    lms = set(language_models())
+    return [
+        c
+        for c in doc_commands()
+        if c.startswith("ddpkit train")
+        and any(m[0].startswith(("data.", "configs/")) or m[1] in lms for m in named.finditer(c))
+    ]
+
+
+def test_every_language_model_line_takes_the_language_model_recipe():
+    from ddpkit.cli import parse
+    from ddpkit.config import load_config
+
+    for config in LM_CONFIGS:
+        cfg = load_config(str(REPO / config), [])
+        assert (cfg.optim.name, cfg.optim.ref_batch_size, cfg.optim.schedule) == ("adamw", None, "cosine")
+        assert cfg.optim.warmup_epochs > 0 and cfg.train.max_steps == 200 and cfg.data.dataset == "text"
+    lines = _language_model_lines()
+    assert len(lines) >= 20, lines
+    for command in lines:
+        _, args = parse(split_line(command)[1][1:])
+        assert args.config in LM_CONFIGS, command
+        assert not [o for o in args.overrides if o.startswith(RECIPE)], command
+        steps = [int(o.split("=")[1]) for o in args.overrides if o.startswith("train.max_steps=")]
+        assert all(s <= 200 for s in steps), command
+        assert (int(args.nproc_per_node or 1) > 2) == ("--oversubscribe" in command), command
+
+
+def _train_lines(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> None:
+    from conftest import dist_context
+    from ddpkit.config import load_config
+    from ddpkit.train.health import Heartbeat
+    from ddpkit.train.trainer import Trainer
+
+    for config, overrides in runs:
+        with Heartbeat(rank, world_size) as heartbeat:
+            Trainer(load_config(config, overrides), dist_context(rank, world_size), heartbeat).fit()
+
+
+@pytest.mark.slow
+def test_language_model_lines_train_as_written(tmp_path):
+    from conftest import run_group
+    from ddpkit.cli import parse
+
+    lines = commands_run_by("test_language_model_lines_train_as_written")
+    by_size: dict[int, list[tuple[str, list[str]]]] = {}
+    sizes = []
+    for i, command in enumerate(lines):
+        _, args = parse(split_line(command)[1][1:])
+        sizes.append(int(args.nproc_per_node or 1))
+        run = [*args.overrides, *SHORT, f"out_dir={tmp_path / str(i)}"]
+        by_size.setdefault(sizes[-1], []).append((str(REPO / args.config), run))
+    assert sorted(by_size) == [1, 2, 4]
+    _train_lines(0, 1, by_size.pop(1))  # one process: in this one
+    for nproc, runs in sorted(by_size.items()):
+        run_group(_train_lines, nproc, runs, timeout=600)
+    for i, command in enumerate(lines):
+        rows = [json.loads(ln) for ln in (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()]
+        assert (rows[-1]["step"], rows[-1]["world_size"]) == (1, sizes[i]), command
+        assert math.isfinite(rows[-1]["train_loss"]) and math.isfinite(rows[-1]["val_loss"]), command
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def test_nproc_per_node_words_and_oversubscribe(tmp_path):
     """`--nproc-per-node cpu|auto` count as torchrun counts them; `--oversubscribe` allows more processes than
     cores (refused without it); a bad word is one error line."""
     from ddpkit.distributed.torchrun_compat import resolve_nproc
-    from ddpkit.launcher.launch import LAUNCH_FLAGS, STARTER_FLAGS, worker_argv
+    from ddpkit.launcher.spec import LAUNCH_FLAGS, STARTER_FLAGS, worker_argv
 
     cores = os.cpu_count() or 1
     assert resolve_nproc("cpu") == cores and resolve_nproc("auto") == cores  # no GPU here
@@ -192,7 +192,7 @@ def test_oversubscribe_flag_allows_more_processes_than_cores(monkeypatch):
     import argparse
 
     from ddpkit.distributed.runtime import check_cpu_processes
-    from ddpkit.launcher.launch import add_launch_flags, spec_from_args
+    from ddpkit.launcher.spec import add_launch_flags, spec_from_args
 
     monkeypatch.setenv("DDPKIT_OVERSUBSCRIBE", "0")
     parser = argparse.ArgumentParser()

@@ -30,7 +30,7 @@ from conftest import (
     write_cifar10,
 )
 from ddpkit.checkpoint import load_checkpoint
-from ddpkit.cluster.env import slurm_port
+from ddpkit.cluster.slurm_env import slurm_port
 from ddpkit.config import load_config
 
 EXAMPLES = REPO / "examples"

@@ -96,7 +96,8 @@ import torch
 import torch.nn as nn
 
 from ddpkit.commands import Command
-from ddpkit.cluster.env import DistEnv, LauncherDetector
+from ddpkit.cluster.distenv import DistEnv
+from ddpkit.cluster.launchers import LauncherDetector
 from ddpkit.config.schema import opt
 from ddpkit.models import ModelFamily
 from ddpkit.parallel.compression import CompressionMethod
@@ -346,7 +347,7 @@ def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, mo
             in (describe_keys())
         )
         # ddpkit's own families and methods declare theirs the same way, each under its name
-        assert "### `model.arch=gpt, llama`:" in describe_keys()
+        assert "### `model.arch=gpt, llama, mixtral, qwen2, qwen3, mistral`:" in describe_keys()
         assert "### `dist.grad_compression=powersgd`:" in describe_keys()
         assert Compression.from_config(load_config(None, ["dist.powersgd_rank=2"]).dist).powersgd_rank == 2
         # a compression method from the package declares its keys the same way (named by dist.grad_compression)

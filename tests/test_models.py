@@ -157,7 +157,17 @@ def test_a_model_family_is_one_registry_entry(request):
     with pytest.raises(UserError, match="needs a torchvision model"):
         check_arch(make_cfg("toy:1", pretrained="torchvision"))
     MODEL_FAMILIES.unregister("toy")
-    assert list(MODEL_FAMILIES) == ["builtin", "gpt", "llama", "timm", "torchvision"]
+    assert list(MODEL_FAMILIES) == [
+        "builtin",
+        "gpt",
+        "llama",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "timm",
+        "torchvision",
+    ]
 
 
 def test_timm_missing_is_user_error(monkeypatch):

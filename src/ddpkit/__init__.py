@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ddpkit import _moved
 from ddpkit.distributed import COLLECTIVES as _COLLECTIVE_NAMES  # names only: it loads no torch
 from ddpkit.errors import UserError
 
 __version__ = "0.1.0"
-
-_moved.install()  # modules that moved into the subsystem folders stay importable under their old names
 
 # What editors and type checkers resolve each lazy name to: the table below (a test keeps the two equal).
 if TYPE_CHECKING:
@@ -48,16 +45,12 @@ if TYPE_CHECKING:
     from ddpkit.train.optim import scaled_lr
 
 _COLLECTIVES = "ddpkit.distributed.collectives"
-_RENAMED = {
-    "gather_object": _COLLECTIVES,
-    "seed_model_init": _COLLECTIVES,
-}  # warn when called (collectives.py)
 _LAZY = {
     "DistContext": "ddpkit.distributed.runtime",
     "init_distributed": "ddpkit.distributed.runtime",
     "shutdown": "ddpkit.distributed.runtime",
     "detect_env": "ddpkit.cluster.env",
-    **dict.fromkeys((n for n in _COLLECTIVE_NAMES if n not in _RENAMED), _COLLECTIVES),
+    **dict.fromkeys(_COLLECTIVE_NAMES, _COLLECTIVES),
     "distributed_loader": "ddpkit.data",
     "eval_loader": "ddpkit.data",
     "prepare": "ddpkit.porting",
@@ -73,35 +66,12 @@ _LAZY = {
     "scaled_lr": "ddpkit.train.optim",
 }
 
-# Names that are here for one release more. Framework internals: importable from their modules (a
-# DeprecationWarning names the module).
-_DEPRECATED = {
-    "Trainer": "ddpkit.train.trainer",
-    "evaluate": "ddpkit.train.trainer",
-    "Config": "ddpkit.config",
-    "load_config": "ddpkit.config",
-    "DistEnv": "ddpkit.cluster.env",
-    "DistributedLoader": "ddpkit.data",
-    "GlobalOrderSampler": "ddpkit.data",
-    "ExactEvalSampler": "ddpkit.data",
-}
-
 
 def __getattr__(name: str):
     import importlib
 
-    if name in _LAZY or name in _RENAMED:
-        return getattr(importlib.import_module({**_LAZY, **_RENAMED}[name]), name)
-    if name in _DEPRECATED:
-        import warnings
-
-        warnings.warn(
-            f"ddpkit.{name} is deprecated and goes in the next release: "
-            f"use `from {_DEPRECATED[name]} import {name}`",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_DEPRECATED[name]), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 

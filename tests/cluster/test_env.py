@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import zlib
+
 import pytest
 
-from ddpkit.cluster.env import (
-    DistEnv,
-    detect_env,
-    expand_nodelist,
-    manual_env,
-    parse_nodelist,
-    slurm_port,
-)
+from ddpkit.cluster.env import DistEnv, detect_env, manual_env
+from ddpkit.cluster.slurm_env import expand_nodelist, parse_nodelist, slurm_port
 from ddpkit.errors import UserError
 
 
@@ -75,7 +74,14 @@ def test_slurm_port_depends_on_job_and_master_port_wins():
     assert a.master_port != b.master_port
     assert 1024 < a.master_port < 65536
     assert detect_env({**slurm_vars(0, 1, 0, 0), "MASTER_PORT": "12345"}).master_port == 12345
-    assert slurm_port("7") == slurm_port("7")
+    # the port of a job is the same on every node: a number from the id, a CRC of it otherwise (not Python's
+    # hash(), which differs between processes), in 15000..34999
+    assert slurm_port("7") == slurm_port("20007") == 15007 and slurm_port("19999") == 34999
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", "from ddpkit.cluster.slurm_env import slurm_port; print(slurm_port('job-a'))"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": "123"},
+    )  # fmt: skip
+    assert int(elsewhere.stdout) == slurm_port("job-a") == 15000 + zlib.crc32(b"job-a") % 20000
 
 
 def test_slurm_step_task_count_wins_over_job_task_count():
@@ -240,7 +246,7 @@ def test_pbs_pbsdsh_reads_the_node_file(tmp_path):
 
 
 def test_slurm_facts_are_one_place_for_the_launcher_and_the_detector():
-    from ddpkit.cluster.env import slurm_job_step, slurm_nodelist
+    from ddpkit.cluster.slurm_env import slurm_job_step, slurm_nodelist
 
     env = {
         "SLURM_NODELIST": "a[1-2]",

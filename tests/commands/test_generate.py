@@ -47,9 +47,11 @@ DOC = REPO / "docs" / "language-model.md"
 
 
 def doc_line(start: str) -> list[str]:
-    """The words of docs/language-model.md's command line that starts with `start`."""
+    """The words of docs/language-model.md's command line that starts with `start` (its config file the
+    repository's, wherever the line runs)."""
     (line,) = [ln for ln in DOC.read_text().splitlines() if ln.startswith(start)]
-    return shlex.split(line)[1:]  # without `ddpkit`
+    words = shlex.split(line)[1:]  # without `ddpkit`
+    return [str(REPO / w) if w.startswith("configs/") else w for w in words]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("lm_loop")
     bpe, tokens = base / "runs" / "bpe", base / "runs" / "tokens"
     first = run_cli(
-        *doc_line("ddpkit train model.arch=gpt data.dataset=text data.tokenizer=bpe"),
+        *doc_line("ddpkit train -c configs/text_gpt.yaml data.tokenizer=bpe"),
         *TINY, "data.text_bytes=20000", "train.max_steps=3", timeout=600, cwd=base,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
@@ -73,7 +75,7 @@ def runs(tmp_path_factory):
     ids[len(ids) * 9 // 10 :].tofile(base / "bins" / "val.bin")
     ref = tiny_gpt2(base / "gpt2-tiny", tok.get_vocab_size())
     second = run_cli(
-        *doc_line("ddpkit train model.arch=gpt data.dataset=tokens"), *TINY, "train.max_steps=2",
+        *doc_line("ddpkit train -c configs/text_gpt.yaml data.dataset=tokens"), *TINY, "train.max_steps=2",
         "optim.lr=1e-9", "train.peak_tflops=0.002", timeout=600, cwd=base,
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]

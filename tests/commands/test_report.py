@@ -316,7 +316,7 @@ def test_only_a_one_node_launcher_draws_the_curves(nnodes, curves, draws):
     # with several nodes a launcher cannot know whether rank 0 is on its node: rank 0 draws
     from ddpkit.commands import train
     from ddpkit.config import load_config
-    from ddpkit.launcher.launch import LaunchSpec
+    from ddpkit.launcher.spec import LaunchSpec
 
     cfg = load_config(None, [f"report.curves={str(curves).lower()}"])
     tail = train.in_launcher(cfg, LaunchSpec(nnodes=nnodes, nproc_per_node=2))

@@ -228,6 +228,7 @@ FLOAT_KEYS = [
     "optim.lr", "optim.warmup_epochs", "optim.momentum", "optim.weight_decay", "optim.step_gamma",
     "train.label_smoothing", "train.clip_grad_norm", "dist.timeout_s", "checkpoint.every_minutes",
     "dist.bucket_cap_mb", "model.dropout", "model.rope_theta", "model.norm_eps", "train.peak_tflops",
+    "model.moe_aux_loss", "model.moe_bias_rate",
 ]  # fmt: skip
 
 

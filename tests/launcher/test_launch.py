@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import assert_user_error, cli_env, free_port, run_cli
-from ddpkit.launcher.launch import worker_argv
+from ddpkit.launcher.spec import worker_argv
 
 LINE = re.compile(r"rank=(\d+) local_rank=(\d+) world_size=(\d+) host=(\S+) backend=(\S+) device=(\S+)")
 
@@ -138,7 +138,8 @@ def test_failed_worker_is_named(tmp_path):
     script = tmp_path / "die.py"
     script.write_text("import os, sys\nsys.exit(7 if os.environ['RANK'] == '1' else 0)\n")
     from ddpkit.errors import WorkerFailure
-    from ddpkit.launcher.launch import LaunchSpec, launch_elastic
+    from ddpkit.launcher.elastic import launch_elastic
+    from ddpkit.launcher.spec import LaunchSpec
 
     spec = LaunchSpec(nproc_per_node=2)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

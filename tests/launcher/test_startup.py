@@ -133,14 +133,14 @@ _LAUNCH = textwrap.dedent(
     import sys
     sys.path.insert(0, sys.argv[1])
     import dumper
-    from ddpkit.launcher import launch, warm_start
+    from ddpkit.launcher import elastic, spec, warm_start
     from ddpkit.errors import Failure
     if __name__ == "__main__":  # a forked worker imports the main module again
         out, code = sys.argv[2], sys.argv[3]
         warm_start.start(["torch"])
-        spec = launch.LaunchSpec(nproc_per_node=2)
+        launched = spec.LaunchSpec(nproc_per_node=2)
         try:
-            launch.launch_elastic(spec, ["-u", dumper.__file__, out, code], warm=(dumper.dump, [out, code]))
+            elastic.launch_elastic(launched, ["-u", dumper.__file__, out, code], warm=(dumper.dump, [out, code]))
         except Failure as e:
             print("FAILED", e.exit_code, e, flush=True)
         finally:

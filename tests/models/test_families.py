@@ -51,7 +51,9 @@ def test_what_the_command_line_asks_of_a_family_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the Llama preloads nothing more (not torchvision, as a list of names once had it)
-    assert proc.stdout.strip() == "([], ['torchvision'], ['timm'], ['gpt', 'llama'], True, None)"
+    assert proc.stdout.strip() == (
+        "([], ['torchvision'], ['timm'], ['gpt', 'llama', 'mixtral', 'qwen2', 'qwen3', 'mistral'], True, None)"
+    )
 
 
 def test_flops_per_token_is_asked_of_the_family():

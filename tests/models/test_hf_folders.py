@@ -124,7 +124,7 @@ def test_init_from_of_a_llama_folder_needs_no_shape_key_and_a_set_key_that_disag
 BAD_VALUES = [  # (config.json key, value, what the line says)
     ("hidden_size", 10**7, "hidden_size=10000000: model.n_embd must be in (0, 65536]"),
     ("vocab_size", 10**12, "vocab_size=1000000000000: data.vocab_size must be in (0, 4294967296]"),
-    ("hidden_size", 30, "hidden_size=30 is not a multiple of num_attention_heads=4"),
+    ("hidden_size", 30, "hidden_size=30 is not a multiple of num_attention_heads=4"),  # head_dim null
     ("num_key_value_heads", 3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ("num_key_value_heads", "x", "num_key_value_heads='x' is not an integer > 0 or null (model.n_kv_head)"),
     ("num_key_value_heads", -1, "num_key_value_heads=-1: model.n_kv_head must be > 0"),
@@ -136,7 +136,7 @@ BAD_VALUES = [  # (config.json key, value, what the line says)
         "rope_parameters.rope_theta=-1: model.rope_theta",
     ),
     ("rope_scaling", "linear", "asks for RoPE scaling (rope_scaling='linear')"),
-    ("head_dim", 5, "head_dim=5 is not hidden_size / num_attention_heads = 4"),
+    ("head_dim", 0, "head_dim=0: model.head_dim must be > 0"),
     ("num_hidden_layers", True, "num_hidden_layers=true is not an integer"),
     ("num_hidden_layers", 1024, "describes a model of about"),  # with hidden_size 65536 below: 70 billion
 ]
@@ -152,6 +152,8 @@ def test_a_config_value_the_family_reads_is_checked_by_its_key_rules_before_anyt
 
     def change(raw):
         raw[key] = value
+        if key == "hidden_size":  # the heads' width then hidden_size / num_attention_heads
+            raw["head_dim"] = None
         if key == "num_hidden_layers" and value == 1024:
             raw.update(hidden_size=65536, num_attention_heads=64, num_key_value_heads=64, head_dim=1024)
 
@@ -273,3 +275,23 @@ def test_a_checkpoint_with_a_tensor_the_model_does_not_use_is_refused_not_droppe
     save_checkpoint({"model": sd, "config": config.to_dict(cfg)}, tmp_path / "y.pt")
     with pytest.raises(UserError, match=r"y.pt' lacks ln_f.weight"):
         ddpkit.load_model(tmp_path / "y.pt")
+
+
+def test_load_model_on_the_meta_device_checks_the_folder_and_keeps_its_values_for_later(llama_dir):
+    """load_model under `with torch.device("meta")` (as ddpkit.prepare calls a builder) builds the model without
+    memory and reads nothing: values_of(model) gives the folder's values, read when the model is laid out."""
+    import ddpkit
+    from ddpkit.models.loading import values_of
+
+    with torch.device("meta"):
+        model = ddpkit.load_model(llama_dir[0])
+    assert all(t.is_meta for t in model.state_dict().values())
+    model.to_empty(device="cpu")
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, piece in values_of(model).pieces(own):
+            own[name].copy_(piece)
+    x = torch.randint(0, 40, (1, 8))
+    with torch.no_grad():
+        assert (model(x) - llama_dir[1](x).logits).abs().max() < 1e-4
+    assert values_of(ddpkit.load_model(llama_dir[0])) is None  # with memory: filled at once

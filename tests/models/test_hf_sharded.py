@@ -32,42 +32,69 @@ def folder(tmp_path_factory):
     return path
 
 
-def _read_slices(rank: int, world_size: int, folder: str, layout: str):
-    """On each rank: the folder's model built on the meta device, laid out by `layout`, given memory and read from
-    the folder through the layout's own sharded load; -> (the whole values this rank can see, values read)."""
+def _laid_out(hf, layout: str, rank: int, world_size: int):
+    """The folder's model built on the meta device and laid out by `layout` over all ranks, then given memory."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    from ddpkit.checkpoint import sharded
-    from ddpkit.models import MODEL_FAMILIES
-    from ddpkit.models.hf import open_folder
-    from ddpkit.models.hf.storage import FolderReader
-    from ddpkit.parallel.pipeline import stage_state
+    from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 
-    hf = open_folder(folder, MODEL_FAMILIES.entries())
     with torch.device("meta"):
         model = hf.build()
     mesh = init_device_mesh("cpu", (world_size,))
     if layout == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout == "tp":
-        from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, mesh, family=hf.family)
     else:  # a pipeline stage: this rank's blocks and ends only
         model = hf.family.pp_stage(model, rank, world_size)
-    model.to_empty(device="cpu")
-    before = FolderReader.READ.get(hf.path, 0)
-    if layout == "pp":
-        stage_state.load_sharded(folder, [model], None, {})
-    else:
-        sharded.load(folder, model, None, {})
-    read = FolderReader.READ.get(hf.path, 0) - before
-    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    return plain(whole), read
+    return model.to_empty(device="cpu")
+
+
+def _read_slices(rank: int, world_size: int, folder: str):
+    """On each rank, for each layout and each way in (the layout's own sharded load through DCP, the weight
+    source of a model built on meta, ddpkit.prepare of a function that calls load_model): (layout, way, the whole
+    values this rank can see, values it read)."""
+    import ddpkit
+    from ddpkit.checkpoint import sharded
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.models.hf import open_folder
+    from ddpkit.models.hf.storage import FolderReader, FolderSource
+    from ddpkit.parallel.pipeline import stage_state
+
+    hf, out = open_folder(folder, MODEL_FAMILIES.entries()), []
+    ways = (
+        ("fsdp", "dcp"),
+        ("fsdp", "source"),
+        ("tp", "dcp"),
+        ("tp", "source"),
+        ("pp", "dcp"),
+        ("fsdp", "prepare"),
+    )
+    for layout, way in ways:
+        before = FolderReader.READ.get(hf.path, 0)
+        if way == "prepare":  # a user's builder: load_model on meta, made by prepare() shard by shard
+            model = ddpkit.prepare(lambda: ddpkit.load_model(folder), strategy="fsdp")
+        else:
+            model = _laid_out(hf, layout, rank, world_size)
+        if way == "source":
+            wanted = dict(model.state_dict())
+            with torch.no_grad():
+                for name, piece in FolderSource(hf.tensors).pieces(wanted):
+                    like = wanted[name]
+                    (like.to_local() if hasattr(like, "to_local") else like).copy_(piece)
+        elif way == "dcp" and layout == "pp":
+            stage_state.load_sharded(folder, [model], None, {})
+        elif way == "dcp":
+            sharded.load(folder, model, None, {})
+        read = FolderReader.READ.get(hf.path, 0) - before
+        whole = {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()
+        }
+        out.append((layout, way, plain(whole), read))
+    return out
 
 
 @pytest.mark.slow
@@ -76,16 +103,20 @@ def test_each_rank_reads_only_its_slices_under_fsdp_tp_and_pp(folder):
 
     want = {k: v.numpy() for k, v in ddpkit.load_model(folder).state_dict().items()}
     total = sum(v.size for v in want.values())
-    for layout in ("fsdp", "tp", "pp"):
-        ranks = run_group(_read_slices, 2, str(folder), layout)
-        for whole, read in ranks:
+    ranks = run_group(_read_slices, 2, str(folder))
+    for i, (layout, way, _, _) in enumerate(ranks[0]):
+        got = [r[i] for r in ranks]
+        for _, _, whole, read in got:
             for name, value in whole.items():
-                assert np.array_equal(value, want[name]), (layout, name)
-            assert read < 0.75 * total, (layout, read, total)  # no rank reads the whole folder
+                assert np.array_equal(value, want[name]), (layout, way, name)
+            assert read < 0.75 * total, (layout, way, read, total)  # no rank reads the whole folder
         if layout == "fsdp":  # every tensor split in two: the ranks' reads add up to the folder, once
-            assert sum(read for _, read in ranks) == total
+            assert sum(read for *_, read in got) == total, way
         if layout == "pp":
-            assert sorted(len(whole) for whole, _ in ranks) == [9 + 1, 9 + 2]  # a block each, and the ends
+            assert sorted(len(whole) for _, _, whole, _ in got) == [
+                9 + 1,
+                9 + 2,
+            ]  # a block each, and the ends
 
 
 TOKENS = [

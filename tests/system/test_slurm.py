@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from ddpkit.cluster.env import expand_nodelist, parse_nodelist, slurm_port
+from ddpkit.cluster.slurm_env import expand_nodelist, parse_nodelist, slurm_port
 
 from .helpers import PY, TRAIN, assert_trained, final_weights, finish, metrics, ok, rank_lines, tail
 

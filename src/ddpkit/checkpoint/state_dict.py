@@ -11,6 +11,7 @@ Every function is collective when a process group exists: every rank calls it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,22 @@ STATE, GROUPS, PARAMS = "state", "param_groups", "params"
 
 def _grouped() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def check_unused(held: Iterable[str], saved: Iterable[str]) -> None:
+    """KeyError naming the saved model tensors that no rank's model holds: a checkpoint of another model is
+    refused, its extra tensors never dropped. The names are gathered from every rank (a pipeline stage holds
+    some): collective when a group runs."""
+    names = set(held)
+    if _grouped():
+        found: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, sorted(names))
+        names = names.union(*map(set, found))
+    extra = sorted(set(saved) - names)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        # the first words say it all: a caller may keep only the start of the line
+        raise KeyError(f"this model does not have the checkpoint's {extra[0]}{more}")
 
 
 def has_dtensor(module: nn.Module) -> bool:
@@ -161,6 +178,7 @@ def own_part(module: nn.Module, model_sd: dict, optim_sd: dict | None, partial: 
             optim_sd = {STATE: {k: dict(v) for k, v in optim_sd[STATE].items()}, GROUPS: optim_sd[GROUPS]}
         return model_sd, optim_sd
     names = set(module.state_dict().keys())
+    check_unused(names, model_sd)
     model_sd = {k: v for k, v in model_sd.items() if k in names}
     if optim_sd is not None and is_name_keyed(optim_sd):
         params = {n for n, _ in module.named_parameters()}

@@ -12,7 +12,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ddpkit import _moved
 from ddpkit.cluster import distenv
 from ddpkit.cluster.distenv import DEFAULT_PORT, DistEnv
 from ddpkit.cluster.launchers import launchers
@@ -136,24 +135,3 @@ def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
         if detector.detects(env):
             return detector.read(env)
     return DistEnv()
-
-
-# Names that moved to launchers.py (the detector table), distenv.py (the variables' checks) and slurm_env.py,
-# importable from here as before.
-__getattr__ = _moved.names(
-    __name__,
-    {
-        **dict.fromkeys(
-            ("LauncherDetector", "register_launcher", "world_variables", "DETECTOR_ENTRY_POINT_GROUP"),
-            "ddpkit.cluster.launchers",
-        ),
-        **dict.fromkeys(
-            ("int_var", "check_port", "check_ranks", "require_all", "master_port_of", "ranked_env"),
-            "ddpkit.cluster.distenv",
-        ),
-        **dict.fromkeys(
-            ("expand_nodelist", "parse_nodelist", "slurm_port", "slurm_nodelist", "slurm_job_step"),
-            "ddpkit.cluster.slurm_env",
-        ),
-    },
-)

@@ -227,6 +227,12 @@ class DistConfig(Section):
     tp: int = opt(1, "tensor-parallel degree: each layer's matrices split over this many ranks", gt=0)
     pp: int = opt(1, "pipeline-parallel degree: the model cut into this many stages", gt=0)
     dp_shard: int | None = opt(None, "hsdp: ranks per sharding group; null: the processes per node", gt=0)
+    ep: int = opt(
+        1,
+        "expert-parallel degree: a mixture of experts' routed experts split over this many of the data-parallel "
+        "ranks, each token sent to its experts' rank and back (all-to-all)",
+        gt=0,
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = opt(
         "1f1b",
         "pipeline schedule (torch.distributed.pipelining); interleaved_1f1b and interleaved_zb run two stages "
@@ -277,6 +283,12 @@ class CheckpointConfig(Section):
         "full",
         "full: one torch.save file written by rank 0; sharded: torch.distributed.checkpoint, one folder in "
         "which each rank writes its own shards (loading reads either, at any world size and layout)",
+    )
+    async_save: bool = opt(
+        False,
+        "true (with format=sharded): each checkpoint's state is staged, a copy in memory, and written in the "
+        "background (torch.distributed.checkpoint.async_save) while training goes on; at most one save in flight, "
+        "the next one, a stop and the run's end wait for it",
     )
     path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
     every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)

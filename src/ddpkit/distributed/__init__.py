@@ -17,20 +17,19 @@ COLLECTIVES = (
     "barrier",
     "broadcast_object",
     "gather",
-    "gather_object",
     "gather_object_to",
     "get_rank",
     "get_world_size",
     "is_main_process",
     "rank_zero_first",
     "seed_everything",
-    "seed_model_init",
     "seed_rank",
 )
 
 _WHERE = {
     **dict.fromkeys((*COLLECTIVES, "derive_seed"), "ddpkit.distributed.collectives"),
-    **dict.fromkeys(("DistEnv", "detect_env", "expand_nodelist", "parse_nodelist"), "ddpkit.cluster.env"),
+    **dict.fromkeys(("DistEnv", "detect_env"), "ddpkit.cluster.env"),
+    **dict.fromkeys(("expand_nodelist", "parse_nodelist"), "ddpkit.cluster.slurm_env"),
     **dict.fromkeys(
         ("DistContext", "init_distributed", "resolve_device_backend", "shutdown"),
         "ddpkit.distributed.runtime",

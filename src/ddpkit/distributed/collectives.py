@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -200,12 +199,6 @@ def gather_object_to(obj: Any, dst: int = 0) -> list[Any] | None:
     return out
 
 
-def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Deprecated: `gather_object_to` (on one rank), or `all_gather_object` (on every rank, like `gather`)."""
-    _deprecated("gather_object", "gather_object_to(obj, dst) (or all_gather_object for every rank)")
-    return gather_object_to(obj, dst)
-
-
 def gather(value: Any) -> Any:
     """Every rank's `value` joined in rank order, on every rank: tensors along dim 0 (sizes may differ per rank,
     other dims must match), lists concatenated.
@@ -260,20 +253,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-
-
-def seed_model_init(seed: int) -> None:
-    """Deprecated: `seed_everything(seed)` with the same seed on every rank does the same."""
-    _deprecated("seed_model_init", "seed_everything(seed)")
-    seed_everything(seed)
-
-
-def _deprecated(name: str, instead: str) -> None:
-    warnings.warn(
-        f"ddpkit.{name} is deprecated and goes in the next release: use ddpkit.{instead}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 def seed_rank(seed: int, rank: int | None = None) -> int:

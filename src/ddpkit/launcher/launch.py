@@ -20,26 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit import channels
-from ddpkit._moved import names
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import reaper
 from ddpkit.distributed.blame import describe_exit
 from ddpkit.errors import Preempted, UserError, WorkerFailure
 from ddpkit.launcher import signals, warm_start
-from ddpkit.launcher.spec import (  # noqa: F401  (importable from here, where they were first)
-    LAUNCH_FLAGS,
-    STARTER_FLAGS,
-    LaunchSpec,
-    add_launch_flags,
-    spec_from_args,
-    worker_argv,
-)
-
-# launch_elastic imports this module's helpers: its names load on first use
-__getattr__ = names(
-    __name__,
-    {n: "ddpkit.launcher.elastic" for n in ("launch_elastic", "quiet_agent_logs", "_rendezvous_error")},
-)
+from ddpkit.launcher.spec import LaunchSpec
 
 PREEMPTED_EXIT = Preempted.exit_code
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-from ddpkit.cluster.env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
+from ddpkit.cluster.slurm_env import expand_nodelist, slurm_job_step, slurm_nodelist, slurm_port
 from ddpkit.diagnostics import stacks
 from ddpkit.distributed import torchrun_compat
 from ddpkit.errors import UserError

@@ -21,6 +21,7 @@ from ddpkit.config.declared import before_keys, declare, declare_values, default
 from ddpkit.data.registry import get_dataset
 from ddpkit.errors import UserError
 from ddpkit.models.family import FamilyCard, ModelFamily
+from ddpkit.models.keys import n_experts
 from ddpkit.registry import Registry
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "ddpkit.models"
 # The built-in families, one folder each (keys.py: its card, torch-free; model.py: its family), in the order the
 # config reference lists them. Adding one is a folder and its name here.
-FAMILY_FOLDERS = ("small", "gpt", "llama", "timm", "torchvision")
+FAMILY_FOLDERS = ("small", "gpt", "llama", "mixtral", "qwen2", "qwen3", "mistral", "timm", "torchvision")
 CARDS: tuple[FamilyCard, ...] = tuple(
     importlib.import_module(f"{__name__}.{folder}.keys").CARD for folder in FAMILY_FOLDERS
 )
@@ -146,7 +147,22 @@ def _init_from_shape(given: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     if not is_hf_folder(path):
         return {}  # refused by check_arch, which says what a folder needs
     found = folder_defaults(path, MODEL_FAMILIES.entries())
+    if _claimed(given, found):  # model.arch=llama for a Mixtral folder: the name the mixtral family claims
+        del found["model.arch"]
     return {key: (value, f"model.init_from '{path}' has {where}") for key, (value, where) in found.items()}
+
+
+def _claimed(given: dict[str, Any], found: dict[str, tuple[Any, str]]) -> bool:
+    """The model.arch the config gives is one the folder's family claims with the folder's values."""
+    from types import SimpleNamespace
+
+    arch, theirs = given.get("model.arch"), found["model.arch"][0]
+    family = MODEL_FAMILIES.find(theirs)
+    if not isinstance(arch, str) or arch == theirs or family is None or family.claims is None:
+        return False
+    values = {k: v for k, (v, _) in found.items()} | given
+    m = SimpleNamespace(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("model.")})
+    return family.claims(arch, m)
 
 
 def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
@@ -155,8 +171,14 @@ def register_model(family: ModelFamily, *, replace: bool = False) -> ModelFamily
     return MODEL_FAMILIES.register(family, replace=replace)
 
 
-def model_family(arch: str) -> ModelFamily:
-    """The family that owns `arch`, its name checked; a UserError with the closest name when none does."""
+def model_family(arch: str, model_cfg: Any = None) -> ModelFamily:
+    """The family that owns `arch`, its name checked; a UserError with the closest name when none does. With the
+    config's model section `model_cfg`, a family that claims that config (ModelFamily.claims: model.arch=llama
+    with model.n_experts is the mixtral family's) is the one that builds it."""
+    if model_cfg is not None:
+        claimed = next((f for f in MODEL_FAMILIES.values() if f.claims and f.claims(arch, model_cfg)), None)
+        if claimed is not None:
+            return claimed
     # the registered families, then the one an installed package declares under that name
     owner = next((f for f in MODEL_FAMILIES.values() if f.owns(arch)), None)
     if owner is None and arch not in MODEL_FAMILIES:
@@ -229,6 +251,16 @@ def _check_data_kind(cfg: Config, family: ModelFamily) -> None:
     family.check_keys(cfg.model)
 
 
+def _check_experts(m: Any, family: ModelFamily) -> None:
+    """model.n_experts asks for routed experts: a family without them (model.arch=gpt) would silently drop them."""
+    if n_experts(m) and not family.routed_experts(m):
+        owners = [f.name for f in MODEL_FAMILIES.values() if f.claims is not None] or ["a mixture of experts"]
+        raise UserError(
+            f"model.n_experts={m.n_experts}: model.arch={m.arch} has no routed experts",
+            f"use model.arch={' or '.join(owners)}, or drop model.n_experts",
+        )
+
+
 # float32 weights, their gradients and two optimizer tensors (AdamW's moments) per parameter
 BYTES_PER_PARAM = 16
 
@@ -256,10 +288,11 @@ def _check_size(cfg: Config, family: ModelFamily) -> None:
 
 def check_arch(cfg: Config) -> None:
     """Cheap pre-launch check of model.arch and model.pretrained; builds nothing, raises UserError."""
-    family = model_family(cfg.model.arch)
+    family = model_family(cfg.model.arch, cfg.model)
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
+    _check_experts(cfg.model, family)
 
 
 def build_model(
@@ -285,10 +318,11 @@ def build_model(
     from ddpkit.models.weights import load_matching, log, read_weights
 
     arch, pretrained = cfg.model.arch, cfg.model.pretrained
-    family = model_family(arch)
+    family = model_family(arch, cfg.model)
     _check_data_kind(cfg, family)
     _check_size(cfg, family)
     _check_pretrained(cfg, family)
+    _check_experts(cfg.model, family)
     if family.build_lm is not None and (vocab_size is None or block_size is None):
         raise UserError(f"model.arch={arch} is a language model: it reads text", "use data.dataset=text")
     with torch.device("meta") if meta else contextlib.nullcontext():

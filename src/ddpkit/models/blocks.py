@@ -55,6 +55,8 @@ class BlockStack:
     entry: str = "drop"  # the module the embeddings' output enters (where the sequence is split)
     tp_keys: tuple[str, ...] = ("model.n_head", "model.n_embd")
     sp_keys: tuple[str, ...] = ("data.block_size",)  # the sequence, split by sequence parallelism only
+    # False: the blocks always take whole sequences (a mixture of experts routes each token of a replicated input)
+    sequence_parallel: bool = True
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The blocks activation checkpointing re-computes."""
@@ -88,7 +90,8 @@ class BlockStack:
         stage (a stage takes and gives whole hidden states)."""
         check_heads(model, tp)
         whole = all(getattr(model, part, None) is not None for part in (self.first[0], self.last[-1]))
-        return self.tp_plan(model, sequence_parallel=whole and sequence_parallel_pays())
+        split = self.sequence_parallel and whole and sequence_parallel_pays()
+        return self.tp_plan(model, sequence_parallel=split)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool = True) -> dict[str, Any]:
         from torch.distributed.tensor import Replicate, Shard
@@ -102,9 +105,24 @@ class BlockStack:
         between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the matmuls
         plan: dict[str, Any] = {}
         for i in model.blocks:
-            b = f"blocks.{i}."
-            plan.update({b + name: ColwiseParallel(input_layouts=between) for name in self.column})
-            plan.update({b + name: RowwiseParallel(output_layouts=between) for name in self.row})
+            b, block = (
+                f"blocks.{i}.",
+                model.blocks[i],
+            )  # a projection a block lacks (an MoE block's MLP) is left out
+            plan.update(
+                {
+                    b + name: ColwiseParallel(input_layouts=between)
+                    for name in self.column
+                    if _holds(block, name)
+                }
+            )
+            plan.update(
+                {
+                    b + name: RowwiseParallel(output_layouts=between)
+                    for name in self.row
+                    if _holds(block, name)
+                }
+            )
             plan.update(
                 {
                     b + name: SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -38,10 +38,13 @@ class FamilyCard:
     owns: Callable[[str], bool] | None = None
     tokens: bool = False  # a language model (trained on token sequences): ModelFamily.tokens
     preload: tuple[str, ...] = ()  # modules a worker imports to build it, besides torch and the trainer
+    # (model.arch, cfg.model) -> this family builds a config that names another family's arch (the Llama with
+    # model.n_experts is the mixtral family's): ModelFamily.claims
+    claims: Callable[[str, Any], bool] | None = None
 
     def fields(self) -> dict[str, Any]:
         """The ModelFamily fields the card gives."""
-        return {"name": self.name, "keys": self.keys}
+        return {"name": self.name, "keys": self.keys, "claims": self.claims}
 
 
 def images_refused(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -89,13 +92,21 @@ class HFFixed:
 class HFTensor:
     """Where one tensor of the model lies in a Hugging Face folder: the folder's tensor `name`, transposed when
     `transposed` (a 2-D weight stored (in, out)), and of it the `part`-th of `parts` equal pieces along the
-    model's first dimension (GPT-2's q|k|v side by side). Reading a slice of the model's tensor reads only the
-    matching slice of the file."""
+    model's first dimension (GPT-2's q|k|v side by side); or, with `stacked` = n, the n folder tensors `name`
+    with `{}` replaced by 0, 1, ..., n - 1, one after the other along the model's first dimension (Mixtral's
+    experts: a tensor each in the folder, one (experts, ...) tensor in the model). Reading a slice of the model's
+    tensor reads only the matching slice of the file."""
 
     name: str
     transposed: bool = False
     part: int = 0
     parts: int = 1
+    stacked: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        """The folder tensors it is made of."""
+        return [self.name.format(i) for i in range(self.stacked)] if self.stacked else [self.name]
 
 
 @dataclass(frozen=True)
@@ -192,6 +203,13 @@ class ModelFamily:
     # Hugging Face folders in and out (ddpkit.load_model, model.init_from, ddpkit export --to hf); another weight
     # format would be one more field like it
     hf: HFConverter | None = None
+    # (model.arch, cfg.model) -> this family builds that config although another family owns the name: a family
+    # that stands behind another's spelling (model.arch=llama model.n_experts=8 is the mixtral family's model);
+    # models.model_family(arch, cfg.model) asks it. None: it builds only the names it owns
+    claims: Callable[[str, Any], bool] | None = None
+    # (cfg.model) -> the routed experts of each mixture-of-experts block (0: none): dist.ep splits them over its
+    # ranks and must divide them (parallel/plan.py, before workers start)
+    routed_experts: Callable[[Any], int] = lambda model_cfg: 0
     # a language model's: the tensor whose first dimension is the vocabulary (read from a checkpoint's shapes)
     vocab_tensor: str = "tok_emb.weight"
     # how its constructor initialises it after each of its modules' own reset_parameters() (which their

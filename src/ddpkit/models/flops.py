@@ -45,7 +45,7 @@ def decoder_flops(model: nn.Module, block_size: int, free: tuple[str, ...] = ())
 def model_flops(cfg: Any, spec: Any) -> int | None:
     """FLOPs per training token of the configured language model, its family's answer (built on the meta
     device: no memory, no weights); None for a classifier."""
-    family = model_family(cfg.model.arch)
+    family = model_family(cfg.model.arch, cfg.model)
     if not spec.tokens or family.build_lm is None:
         return None
     with torch.device("meta"):

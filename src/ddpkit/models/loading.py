@@ -8,6 +8,7 @@ in one line naming it, never dropped."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,8 @@ from ddpkit.data.text.tokenizer import FILE, read_file
 from ddpkit.errors import UserError, first_line
 from ddpkit.models import family_of_module
 from ddpkit.models.hf import export, is_hf_folder, open_folder
-from ddpkit.models.hf.storage import (
-    FolderReader,
-)  # declares the folder's reader to torch.distributed.checkpoint
-from ddpkit.models.hf.tensors import listed
+from ddpkit.models.hf.storage import FolderReader, FolderSource  # declares the DCP reader of a folder
+from ddpkit.models.hf.tensors import check_model, listed
 from ddpkit.models.hf.write import EXPORT_DTYPES, shard_bytes
 
 NAMES = ("best.pt", "best.dcp", "last.pt", "last.dcp")
@@ -98,7 +97,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     source = find_checkpoint(path)
     state = load_checkpoint(source, map_location="cpu", require=("model", "config"))
     cfg = config_mod.load_config(None, [], base=state["config"])
-    family = models.model_family(cfg.model.arch)
+    family = models.model_family(cfg.model.arch, cfg.model)
     if not family.tokens:
         raise UserError(
             f"checkpoint '{source}' is of model.arch={cfg.model.arch}, an image classifier, not a language model",
@@ -160,17 +159,34 @@ def export_checkpoint(path: str | os.PathLike, out: Path, dtype: str, max_shard_
     return Loaded(model, ckpt.source, ckpt.tokenizer())
 
 
+# A model that load_model built on the meta device (called under `with torch.device("meta")`, or by a builder that
+# ddpkit.prepare calls there): the folder whose values it takes once it is laid out, each rank reading only its
+# slices (FolderSource.pieces). Written here, read through `values_of` by what gives a meta model memory.
+_VALUES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def values_of(model: nn.Module) -> Any:
+    """The values a model built on the meta device by load_model takes (a FolderSource), or None."""
+    return _VALUES.get(model)
+
+
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """The model of the family whose Hugging Face converter reads the folder, holding the folder's weights (every
-    check made before the model is built)."""
+    check made before the model is built). Built on the meta device (the current device being meta), it holds
+    none yet: `values_of(model)` gives them, to be read as the model is laid out."""
     folder = open_folder(path, models.MODEL_FAMILIES.entries())
     model = folder.build()
-    folder.into(model, f"'{path}'")
+    if any(t.is_meta for t in model.state_dict().values()):
+        tensors = folder.tensors_or_refuse()  # a family that reads its folder whole cannot fill shards
+        check_model(tensors, model.state_dict(), f"'{path}'")
+        _VALUES[model] = FolderSource(tensors)
+    else:
+        folder.into(model, f"'{path}'")
     return model.eval()
 
 
 def load(path: str | os.PathLike) -> Loaded:
-
+    """The model of a Hugging Face folder or a ddpkit checkpoint, with where it came from and its tokenizer."""
     if is_hf_folder(path):
         return Loaded(from_hf(path), Path(path), None)
     return from_checkpoint(path)
@@ -200,8 +216,12 @@ def _folder_for(model: nn.Module, path: str) -> Any:
         given = {n: getattr(getattr(folder.cfg, k.rpartition(".")[0]), n) for n, k in settings.items()}
     else:
         given = {k: v for k, v in folder.shape.items() if k not in ("vocab_size", "block_size")}
-    for key, value in given.items():  # the tensors' shapes are checked next; these change what they compute
-        if key not in ("vocab_size", "block_size") and hasattr(model, key) and getattr(model, key) != value:
+    # the tensors' shapes are checked next; these change what they compute (a null one is the key's default, which
+    # the model resolves as it was built from it: a head_dim left null is n_embd / n_head)
+    for key, value in given.items():
+        if value is None or key in ("vocab_size", "block_size"):
+            continue
+        if hasattr(model, key) and getattr(model, key) != value:
             raise UserError(
                 f"model.init_from '{path}' has {key}={value} but this config gives {getattr(model, key)}",
                 f"set model.{key}={str(value).lower()}",
@@ -209,11 +229,21 @@ def _folder_for(model: nn.Module, path: str) -> Any:
     return folder
 
 
-def init_from(model: nn.Module, path: str, report: Any = None) -> None:
-    """model.init_from: a Hugging Face folder's weights into the freshly built `model` (whole, on this process)."""
-    _folder_for(model, path).into(model, f"model.init_from '{path}'")
+def init_from(model: nn.Module, path: str, report: Any = None) -> Any:
+    """model.init_from: Hugging Face folder `path` checked against `model` (its family, settings and every
+    tensor's name and shape); a model with memory is filled whole here. Returns the folder's values
+    (models/hf/storage.py FolderSource): a model built on the meta device takes them once it is laid out, each
+    rank reading only the slices it holds (`pieces`), or one whole tensor at a time (as a Mapping)."""
+    folder, where = _folder_for(model, path), f"model.init_from '{path}'"
+    if any(t.is_meta for t in model.state_dict().values()):
+        if folder.tensors is None:
+            raise UserError(f"{where} is read whole by its family's converter", "build the model on the CPU")
+        check_model(folder.tensors, model.state_dict(), where)
+        return FolderSource(folder.tensors)
+    folder.into(model, where)
     if report is not None:
         report(f"model.init_from: every tensor from {path}")
+    return FolderSource(folder.tensors) if folder.tensors is not None else None
 
 
 def init_sharded(strategy: Any, wrapped: nn.Module, path: str, report: Any = None) -> None:

@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit import _moved
 from ddpkit.config.declared import before_keys, check_with, declare, key_sets
 from ddpkit.parallel.compression_method import BUILTIN, CompressionMethod
 from ddpkit.registry import Registry
@@ -111,7 +110,3 @@ class Compression:
         if not saved:
             return None, None
         return self.method.restore(saved, rank, world_size)
-
-
-# PowerSGD's hook, importable from here (and from the old ddpkit.distributed.compression) as before
-__getattr__ = _moved.names(__name__, {"PowerSGDHook": "ddpkit.parallel.powersgd"})

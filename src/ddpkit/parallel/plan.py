@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import UserError
 from ddpkit.models import model_family
-from ddpkit.parallel.mesh import Layout, layout_of, shard_degree
+from ddpkit.parallel.mesh import Layout, check_ep, layout_of, shard_degree
 from ddpkit.parallel.strategy import Strategy, get_strategy, names_with, picked
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
     from ddpkit.models.blocks import sequence_parallel_pays  # torch: this module imports none
 
     m, tp = cfg.model, layout.tp
-    family = model_family(m.arch)
+    family = model_family(m.arch, m)
     if tp > 1 and family.tp_plan is None:
         raise UserError(
             f"dist.tp={tp} needs a model with a tensor-parallel plan; model.arch={m.arch} has none",
@@ -115,6 +115,7 @@ def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
                 f"{key}={value} cannot be split over dist.tp={tp} ranks (it must be a multiple of {tp})",
                 f"use a {key} that is a multiple of {tp}, or another dist.tp",
             )
+    _check_experts(m, family, layout.ep)
     if getattr(m, "tie_embeddings", False) and (tp > 1 or layout.pp > 1):
         raise UserError(
             f"model.tie_embeddings=true is not supported with dist.tp={tp} dist.pp={layout.pp}",
@@ -128,6 +129,31 @@ def check_model(cfg: Any, layout: Layout, backend: str | None = None) -> None:
         )
 
 
+def _check_experts(m: Any, family: Any, ep: int) -> None:
+    """dist.ep splits the model's routed experts into equal parts."""
+    if ep == 1:
+        return
+    experts = family.routed_experts(m)
+    if not experts:
+        raise UserError(
+            f"dist.ep={ep} splits a mixture of experts' routed experts, but model.arch={m.arch} has none",
+            "give the model routed experts (model.n_experts), or use dist.ep=1",
+        )
+    if experts % ep:
+        raise UserError(
+            f"model.n_experts={experts} cannot be split over dist.ep={ep} ranks (it must be a multiple of {ep})",
+            f"use a model.n_experts that is a multiple of {ep}, or another dist.ep",
+        )
+
+
+def _check_strategy_with_experts(name: str, ep: int) -> None:
+    if ep > 1 and not get_strategy(name).with_ep:
+        raise UserError(
+            f"dist.strategy={name} cannot run with expert parallelism (dist.ep={ep})",
+            f"use dist.strategy={names_with('with_ep')} (or auto)",
+        )
+
+
 def check_config(
     cfg: Any, world_size: int, per_node: int | None = None, backend: str | None = None
 ) -> Layout:
@@ -135,15 +161,17 @@ def check_config(
     sharding group) talking over `backend` (None: the initialised process group's, or none), before any worker
     starts; returns the Layout (with HSDP's dp_shard resolved)."""
     d = cfg.dist
-    layout = layout_of(world_size, d.tp, d.pp, d.dp_shard)
+    layout = layout_of(world_size, d.tp, d.pp, d.dp_shard, d.ep)
     check_model(cfg, layout, backend)
     if layout.pp == 1:
         name = strategy_over_dp(d.strategy, layout, d.offload)
     else:  # parallel/pipeline/plan.py checks the rest
         name = pipeline_strategy(d.strategy, layout)
+    _check_strategy_with_experts(name, layout.ep)
     if get_strategy(name).hybrid:
         shard = shard_degree(d.dp_shard, layout.dp, layout.tp, per_node or world_size)
-        return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=shard)
+        check_ep(layout.ep, layout.dp, shard, f"{world_size} process(es)")
+        return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=shard, ep=layout.ep)
     if d.dp_shard is not None:
         raise UserError(
             f"dist.dp_shard={d.dp_shard} sets HSDP's sharding group, but dist.strategy is {d.strategy}",
@@ -162,6 +190,7 @@ def build_strategy(
     offload: str = "none",
     dp_shard: int | None = None,
     amp: str = "none",
+    experts: Any = None,
 ) -> Strategy:
     """The Strategy for dist.strategy (after `auto` is resolved); ddp_options go to DistributedDataParallel,
     `compression` registers its gradient hook (strategies whose entry says `compression`).
@@ -170,6 +199,8 @@ def build_strategy(
     `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
     `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
     `amp`: train.amp (bf16: FSDP2 gathers the parameters in bf16 and reduces the gradients in float32).
+    `experts`: the ExpertMeshes of dist.ep > 1 (parallel/experts/meshes.py), which the routed experts are split
+    and reduced over.
     """
     import torch.distributed as dist
 
@@ -181,7 +212,7 @@ def build_strategy(
     if entry.needs_group and not dist.is_initialized():
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
     strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
-    strategy.mesh, strategy.offload, strategy.amp = mesh, offload, amp
+    strategy.mesh, strategy.offload, strategy.amp, strategy.experts = mesh, offload, amp, experts
     if dp_shard is not None:
         strategy.dp_shard = dp_shard
     return strategy

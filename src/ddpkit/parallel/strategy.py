@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpkit import _moved
 from ddpkit.config.declared import check_with, declare_values
 from ddpkit.config.schema import yaml_text
 from ddpkit.errors import UserError
@@ -59,6 +58,8 @@ class StrategyEntry:
     each stage in DDP, where the others shard each stage with FSDP2);
     `with_pp`: runs over the data-parallel ranks of a pipeline (dist.pp);
     `hybrid`: shards inside groups of dist.dp_shard ranks and replicates across the groups;
+    `with_ep`: runs with expert parallelism (dist.ep: the routed experts split over some of its ranks, their
+    gradients reduced over the ranks that hold the same experts);
     `auto`: where dist.strategy=auto picks it (`AUTO`: "one" data-parallel replica, "several", "tp" several
     replicas of a tensor-parallel model, "offload" dist.offload=cpu);
     `wraps_meta`: its wrap takes a model on the meta device and leaves it there, laid out (the plain module,
@@ -81,6 +82,7 @@ class StrategyEntry:
     replicates: bool = False
     with_pp: bool = False
     hybrid: bool = False
+    with_ep: bool = False
     auto: tuple[str, ...] = ()
     wraps_meta: bool = False
     order: int | None = None  # where the registry asks it (lower first; none: in the order registered)
@@ -95,9 +97,16 @@ class StrategyEntry:
 
     def describe(self) -> str:
         """`zero2 (what it does; also with dist.tp and dist.pp)`: the config reference's line of it."""
-        also = " and ".join(
-            key for key, ok in (("dist.tp", self.over_dtensors), ("dist.pp", self.with_pp)) if ok
-        )
+        keys = [
+            k
+            for k, ok in (
+                ("dist.tp", self.over_dtensors),
+                ("dist.pp", self.with_pp),
+                ("dist.ep", self.with_ep),
+            )
+            if ok
+        ]
+        also = " and ".join([", ".join(keys[:-1]), keys[-1]] if len(keys) > 1 else keys)
         return f"{self.name} ({self.summary}{f'; also with {also}' if also else ''})"
 
 
@@ -200,6 +209,9 @@ class Strategy:
     mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
     offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
     amp = "none"  # train.amp: bf16 makes FSDP2's own mixed precision (fsdp, hsdp, zero2)
+    experts = (
+        None  # dist.ep > 1: the ExpertMeshes the routed experts are split and reduced over (parallel/experts)
+    )
 
     def __init__(
         self, ctx: DistContext, ddp_options: dict | None = None, compression: Compression | None = None
@@ -327,15 +339,3 @@ def strategy_of(model: Any, optimizer: Any, ctx: DistContext) -> Strategy:
         if entry.recognizes is not None and entry.recognizes(model, optimizer):
             return entry.cls(ctx)
     return Strategy(ctx)
-
-
-# the built-in strategies' classes, importable from here (and from the old ddpkit.distributed.strategy) as before
-__getattr__ = _moved.names(
-    __name__,
-    {
-        "DDPStrategy": "ddpkit.parallel.strategies.ddp",
-        "DataParallelStrategy": "ddpkit.parallel.strategies.dp",
-        "FSDPStrategy": "ddpkit.parallel.strategies.fsdp",
-        "Zero1Strategy": "ddpkit.parallel.strategies.zero1",
-    },
-)

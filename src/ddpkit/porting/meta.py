@@ -2,6 +2,8 @@
 takes no argument, which prepare() calls under it. The model is laid out there (tensor parallel, FSDP2), and
 each rank makes only its own shards (parallel/materialize.py), by the first of:
 
+- the folder's values, for a model that `ddpkit.load_model` of a Hugging Face folder built on the meta device
+  (models/loading.py values_of): each rank reads only the slices it holds;
 - its model family's steps (ModelFamily.init_weights: ddpkit's GPT and Llama): the one-process build's draws
   replayed from torch.manual_seed(seed), the weights of `torch.manual_seed(seed); Model(...)` exactly;
 - the model's own `init_weights()` (torchtitan's convention), called on the laid-out model after
@@ -28,6 +30,7 @@ from ddpkit.data.loaders import DistributedLoader
 from ddpkit.errors import UserError
 from ddpkit.models import family_of_module
 from ddpkit.models.init import named_tensors
+from ddpkit.models.loading import values_of
 from ddpkit.parallel.materialize import Materializer, StreamReplay, on_meta
 
 
@@ -91,6 +94,9 @@ def maker(model: nn.Module, seed: int, device: torch.device) -> Materializer | N
     a UserError naming a module whose tensors nothing makes."""
     if not on_meta(model):
         return None
+    folder = values_of(model)  # ddpkit.load_model of a Hugging Face folder under torch.device("meta")
+    if folder is not None:  # its values, each rank reading only the slices it holds
+        return Materializer(folder, device)
     family = family_of_module(model)
     if family is not None and family.init_weights is not None:
         return Materializer(StreamReplay(model, family.init_weights, seed), device)

@@ -74,7 +74,7 @@ def make_model_on_meta(
     if for_eval and (cfg.model.pretrained or cfg.model.init_from):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None, init_from=None))
     seed_everything(cfg.seed, cfg.train.deterministic)  # the same on every rank: identical initial weights
-    family = models.model_family(cfg.model.arch)
+    family = models.model_family(cfg.model.arch, cfg.model)
     meta = family.init_weights is not None and not cfg.model.pretrained
     model = models.build_model(
         cfg,
@@ -119,18 +119,19 @@ def prepare_model(model: nn.Module, cfg: Config, device: torch.device, distribut
 
 def make_layout(cfg: Config, ctx: DistContext) -> tuple[Layout, Any]:
     """(layout, mesh): how the ranks split into dp x tp x pp (checked), and the ("pp", "dp", "tp") DeviceMesh
-    when tensor parallelism splits the model or HSDP shards it (None otherwise: the strategy runs over the default group; a
-    pipeline builds its own mesh)."""
+    when tensor or expert parallelism splits the model or HSDP shards it (None otherwise: the strategy runs over the
+    default group; a pipeline builds its own mesh)."""
     import torch.distributed as dist
 
     layout = check_config(cfg, ctx.world_size, ctx.env.local_world_size, ctx.backend)
-    split = (layout.tp > 1 or layout.dp_shard is not None) and layout.pp == 1  # HSDP shards over the mesh too
+    # HSDP shards over the mesh too, and expert parallelism borrows its dp dim
+    split = (layout.tp > 1 or layout.dp_shard is not None or layout.ep > 1) and layout.pp == 1
     return layout, build_mesh(layout, ctx.device.type) if split and dist.is_initialized() else None
 
 
 def split_model(cfg: Config, model: nn.Module, mesh: Any) -> nn.Module:
     """Activation checkpointing and tensor parallelism applied to `model` in place, before a strategy wraps it."""
-    family = models.model_family(cfg.model.arch)
+    family = models.model_family(cfg.model.arch, cfg.model)
     if cfg.model.activation_checkpointing != "none":  # full or selective
         checkpoint_blocks(family.checkpointed(model), cfg.model.activation_checkpointing)
     if mesh is not None and mesh["tp"].size() > 1:

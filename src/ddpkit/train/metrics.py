@@ -279,7 +279,8 @@ def banner(t: Any) -> str:
     """The line a Trainer `t` starts with: processes, backend, device, strategy and layout, batch, lr, steps."""
     cfg, ctx, d, lay = t.cfg, t.ctx, t.cfg.dist, t.layout
     pipe = f", pipeline {d.pp} stages ({d.pp_schedule})" if lay.pp > 1 else ""
-    over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}" if lay.parallel else ""  # the model is split
+    experts = f" x ep={lay.ep}" if lay.ep > 1 else ""  # the routed experts split over ep of the dp ranks
+    over = f" over dp={lay.dp} x tp={lay.tp} x pp={lay.pp}{experts}" if lay.parallel or lay.ep > 1 else ""
     return (
         f"ddpkit: {ctx.world_size} process(es), backend {ctx.backend}, device {t.device.type}, "
         f"strategy {t.strategy.name}{pipe}{over}, global batch {t.global_batch} "

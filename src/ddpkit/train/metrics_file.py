@@ -49,6 +49,10 @@ class EpochEnd:
     speed: dict[str, Any]  # flops_per_token, tflops_per_s_per_rank and mfu (models.flops.fields)
     peak_memory: int  # the largest peak memory of the ranks (train.memory.largest_peak_memory: collective)
     skipped: int  # undecodable samples left out in the epoch, all ranks (data.skipped_in_epoch: collective)
+    # a mixture of experts' moe_aux_loss, moe_balance_max, moe_balance_mean (train/steps/experts.py: collective);
+    # empty for a dense model
+    routing: dict[str, Any] = field(default_factory=dict)
+    stall: float = 0.0  # seconds training was blocked by checkpointing in the epoch so far
 
 
 _F, _I, _S = float, int, str
@@ -145,6 +149,27 @@ FIELDS: tuple[Field, ...] = (
         value=lambda e: e.speed["mfu"],
     ),
     Field(
+        "moe_aux_loss",
+        _F,
+        "a mixture of experts' load-balancing loss over the epoch's training sequences, the mean over its MoE "
+        "blocks (E x sum_i f_i P_i of a sequence: 1 when its tokens are spread evenly; `model.moe_aux_loss` x this "
+        "joins the loss); `null` for a dense model",
+        value=lambda e: e.routing.get("moe_aux_loss"),
+    ),
+    Field(
+        "moe_balance_max",
+        _F,
+        "a mixture of experts' load over the epoch's training tokens: the tokens of a block's busiest expert over "
+        "the mean of its experts (1: even), the largest of the MoE blocks; `null` for a dense model",
+        value=lambda e: e.routing.get("moe_balance_max"),
+    ),
+    Field(
+        "moe_balance_mean",
+        _F,
+        "the same load (busiest expert over the mean), the mean of the MoE blocks; `null` for a dense model",
+        value=lambda e: e.routing.get("moe_balance_mean"),
+    ),
+    Field(
         "peak_memory_bytes_per_rank",
         _I,
         "the largest peak memory of the ranks so far: CUDA's max allocated bytes on a GPU, the process's peak "
@@ -157,6 +182,16 @@ FIELDS: tuple[Field, ...] = (
         "undecodable training and validation samples left out in the epoch, all ranks (`data.skip_corrupt=true`; "
         "log.txt names their files); always 0 otherwise, since an undecodable sample then stops the run",
         value=lambda e: e.skipped,
+    ),
+    Field(
+        "checkpoint_stall_s",
+        _F,
+        "seconds training was blocked by checkpointing in the epoch (rank 0's): its checkpoints inside it (checkpoint.every_*) "
+        "and the one at its end; with `checkpoint.async_save=true` only the waits for the save in flight (the next "
+        "save, a stop and the run's end wait for it) and the staging of each save's state, the write itself "
+        "running in the background (the line a checkpoint carries, restored after a crash, counts up to that "
+        "checkpoint)",
+        value=lambda e: round(e.stall, 4),
     ),
     Field(
         "startup_s",

@@ -132,6 +132,8 @@ def _language_model_summary(run: Run) -> dict[str, Any]:
         "mean_tokens_per_s": _mean(run.series("train_tokens_per_s")),
         "mean_tflops_per_s_per_rank": _mean(run.series("tflops_per_s_per_rank")),
         "mean_mfu": _mean(run.series("mfu")),
+        # a mixture of experts' routing in the last line that has it: aux loss, load (busiest expert / mean)
+        **{f"final_{k}": _last(run.series(k)) for k in MOE_FIELDS},
         "peak_memory_bytes_per_rank": max(
             (
                 v
@@ -141,6 +143,14 @@ def _language_model_summary(run: Run) -> dict[str, Any]:
             default=None,
         ),
     }
+
+
+MOE_FIELDS = ("moe_aux_loss", "moe_balance_max", "moe_balance_mean")
+
+
+def _last(values: list[Any]) -> float | None:
+    """The last finite number of a series (None when it has none)."""
+    return next((finite(v) for v in reversed(values) if finite(v) is not None), None)
 
 
 def _pct(v: float | None) -> str:
@@ -161,6 +171,11 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
     if lm:
         head += ["final val_loss", "best val_loss (epoch)", "final val ppl", "mean tokens/s"]
         head += ["TFLOP/s per rank", "MFU", "peak memory per rank (MiB)"]
+    moe = any(
+        s.get("final_moe_balance_max") is not None for s in summary
+    )  # mixtures of experts: their routing
+    if moe:
+        head += ["MoE aux loss", "MoE load max / mean"]
     head += ["mean images/s", "train time (s)", "resumed after epoch", "differs"]
     body = []
     for s in summary:
@@ -177,6 +192,10 @@ def table(summary: list[dict[str, Any]], target: float | None) -> tuple[list[str
             row += [_num(s.get("mean_tflops_per_s_per_rank"), ".4g"), _pct(s.get("mean_mfu"))]
             mem = s.get("peak_memory_bytes_per_rank")
             row += [_num(None if mem is None else mem / 2**20, ".1f")]
+        if moe:
+            load = [s.get(f"final_moe_balance_{k}") for k in ("max", "mean")]
+            row += [_num(s.get("final_moe_aux_loss"), ".4f")]
+            row += ["-" if None in load else f"{load[0]:.3f} / {load[1]:.3f}"]
         row += [_num(s["mean_images_per_s"], ".1f"), _num(s["train_time_s"], ".2f")]
         row += [", ".join(map(str, s["resumed_after"])) or "-", _pairs(s["differs"]) or "-"]
         body.append(row)

@@ -38,7 +38,7 @@ class FolderTensors:
         self.folder, self.label = folder, conv.label
         self.table: dict[str, HFTensor] = conv.tensors(cfg.model)
         self.found = {conv.rename(name): name for name in entries}  # the table's names -> the folder's
-        used = sorted({t.name for t in self.table.values()})
+        used = sorted({n for t in self.table.values() for n in t.names})
         missing = [n for n in used if n not in self.found]
         if missing:
             raise UserError(
@@ -59,7 +59,14 @@ class FolderTensors:
         self._open: dict[Path, Any] = {}
 
     def _shape(self, ours: str, t: HFTensor) -> tuple[int, ...]:
-        """The model tensor's shape: the folder tensor's, transposed, of which one of `parts` along dim 0."""
+        """The model tensor's shape: the folder tensor's, transposed, of which one of `parts` along dim 0; of
+        `stacked` ones (each the same shape), their number before it."""
+        if t.stacked:
+            shapes = {tuple(self.entries[n].shape) for n in t.names}
+            if len(shapes) > 1:
+                raise UserError(f"'{self.folder}': tensors {t.name.format('N')} differ in shape", HINT)
+            one = self._shape(ours, HFTensor(t.names[0], t.transposed))
+            return (t.stacked, *one)
         shape = list(self.entries[t.name].shape)
         if t.transposed:
             if len(shape) != 2:
@@ -78,7 +85,7 @@ class FolderTensors:
         return tuple(shape)
 
     def dtype(self, ours: str) -> torch.dtype:
-        return DTYPES[self.entries[self.table[ours].name].dtype]
+        return DTYPES[self.entries[self.table[ours].names[0]].dtype]
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[FolderTensors]:
@@ -103,9 +110,19 @@ class FolderTensors:
         t, shape = self.table[ours], self.shapes[ours]
         offsets = list(offsets) if offsets is not None else [0] * len(shape)
         lengths = list(lengths) if lengths is not None else list(shape)
+        if t.stacked:  # the box's first dimension picks the folder tensors, the rest is a box of each
+            one = [
+                HFTensor(t.name.format(i), t.transposed) for i in range(offsets[0], offsets[0] + lengths[0])
+            ]
+            parts = [self._read(each, offsets[1:], lengths[1:], 0) for each in one]
+            return torch.stack(parts) if parts else torch.empty(lengths, dtype=self.dtype(ours))
+        return self._read(t, offsets, lengths, shape[0] if shape else 0)
+
+    def _read(self, t: HFTensor, offsets: list[int], lengths: list[int], rows: int) -> torch.Tensor:
+        """The box at `offsets` of `lengths` of the model's tensor (`rows` long) that folder tensor `t` holds."""
         box = [slice(o, o + n) for o, n in zip(offsets, lengths, strict=True)]
         if box:
-            first = t.part * shape[0]
+            first = t.part * rows
             box[0] = slice(first + box[0].start, first + box[0].stop)
         if t.transposed:
             box.reverse()

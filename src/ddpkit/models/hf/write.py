@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.atomicio import fsync_dir, umask
 from ddpkit.errors import UserError
 from ddpkit.models.hf.files import CONFIG, INDEX, WEIGHTS
 
@@ -142,10 +143,12 @@ def write_folder(out: Path, config: dict[str, Any], planned: list[Planned], max_
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's folder is the owner's alone
+        fsync_dir(tmp)
         if out.is_dir():
             out.rmdir()  # empty (the command checked): the complete folder takes its place
         os.rename(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -183,12 +186,15 @@ def planned_tensors(
     dtype: torch.dtype,
 ) -> list[Planned]:
     """The folder's tensors from the model's (`shapes`, `read` one by name) through the family's table: the parts
-    of one folder tensor joined along the first dimension, then transposed; a tensor two model names share (a
-    tied head) written once."""
+    of one folder tensor joined along the first dimension, then transposed; a stacked tensor cut into its folder
+    tensors (the model's read once for all of them); a tensor two model names share (a tied head) written once."""
     by_theirs: dict[str, dict[int, tuple[str, Any]]] = {}
-    for ours, t in table.items():
-        by_theirs.setdefault(t.name, {}).setdefault(t.part, (ours, t))
     planned = []
+    for ours, t in table.items():
+        if t.stacked:
+            planned += _unstacked(ours, t, shapes[ours], read, dtype)
+        else:
+            by_theirs.setdefault(t.name, {}).setdefault(t.part, (ours, t))
     for theirs, parts in by_theirs.items():
         order = [parts[i] for i in sorted(parts)]
         first, t = order[0]
@@ -202,3 +208,21 @@ def planned_tensors(
 
         planned.append(Planned(theirs, tuple(shape), dtype, make))
     return sorted(planned, key=lambda p: p.name)
+
+
+def _unstacked(
+    ours: str, t: Any, shape: tuple[int, ...], read: Callable, dtype: torch.dtype
+) -> list[Planned]:
+    """The folder tensors of a stacked model tensor `ours`: its slices along the first dimension."""
+    kept: dict[str, Any] = {"left": t.stacked}  # the model's tensor, held until its last slice is made
+
+    def slice_of(i: int) -> torch.Tensor:
+        if "value" not in kept:
+            kept["value"] = read(ours)
+        value, kept["left"] = kept["value"][i], kept["left"] - 1
+        if not kept["left"]:
+            del kept["value"]
+        return value.t() if t.transposed else value
+
+    each = list(shape[1:])[:: -1 if t.transposed else 1]
+    return [Planned(name, tuple(each), dtype, lambda i=i: slice_of(i)) for i, name in enumerate(t.names)]

@@ -33,25 +33,36 @@ KEYS = (
     HFKey("model.n_embd", "hidden_size"),
     HFKey("model.n_kv_head", "num_key_value_heads", default=None),
     HFKey("model.ffn_hidden", "intermediate_size"),
+    HFKey("model.head_dim", "head_dim", default=None),  # null or absent: hidden_size / num_attention_heads
     HFKey("model.rope_theta", ("rope_parameters.rope_theta", "rope_theta"), default=10000.0),
     HFKey("model.norm_eps", "rms_norm_eps", default=1e-6),
     HFKey("model.tie_embeddings", "tie_word_embeddings", default=False),
+)
+ROPE_FIXED = (  # the rotary embedding as the Llama-shaped families hold it: unscaled
+    HFFixed("rope_parameters.rope_type", ("default",), "RoPE scaling"),
+    HFFixed("rope_scaling", ({"rope_type": "default"}, {"type": "default"}), "RoPE scaling"),
 )
 FIXED = (
     HFFixed("hidden_act", ("silu",), "another activation"),
     HFFixed("attention_bias", (False,), "biases in the attention"),
     HFFixed("mlp_bias", (False,), "biases in the MLP"),
-    HFFixed("rope_parameters.rope_type", ("default",), "RoPE scaling"),
-    HFFixed("rope_scaling", ({"rope_type": "default"}, {"type": "default"}), "RoPE scaling"),
+    *ROPE_FIXED,
 )
 
 
-def llama_check(raw: dict[str, Any], cfg: Any) -> str | None:
-    """What else config.json asks: a head_dim other than hidden_size / num_attention_heads."""
-    head_dim, m = raw.get("head_dim"), cfg.model
-    if head_dim is not None and (isinstance(head_dim, bool) or head_dim != m.n_embd // m.n_head):
-        return f"head_dim={head_dim!r} is not hidden_size / num_attention_heads = {m.n_embd // m.n_head}"
+def full_attention_check(raw: dict[str, Any], cfg: Any) -> str | None:
+    """What else config.json asks (Qwen2's and Qwen3's): sliding-window attention in some layers (`layer_types`), which
+    the family does not hold."""
+    types = raw.get("layer_types")
+    if types is not None and (not isinstance(types, list) or set(types) - {"full_attention"}):
+        return f"layer_types={types!r} asks for attention other than full attention in some layers"
     return None
+
+
+def llama_ignored(m: Any) -> tuple[str, ...]:
+    """Folder tensors that are not weights: RoPE's buffer of old folders; a stored lm_head where the head is tied
+    (transformers ties it to the embedding and ignores it)."""
+    return (r"\.rotary_emb\.inv_freq$", *((r"^lm_head\.weight$",) if m.tie_embeddings else ()))
 
 
 def llama_tensors(m: Any) -> dict[str, HFTensor]:
@@ -70,7 +81,6 @@ def llama_tensors(m: Any) -> dict[str, HFTensor]:
 def llama_extra(m: Any) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
-        "head_dim": m.n_embd // m.n_head,
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default"},
         "attention_bias": False,
@@ -83,9 +93,7 @@ CONVERTER = HFConverter(
     "Llama",
     keys=KEYS,
     fixed=FIXED,
-    check=llama_check,
     tensors=llama_tensors,
-    # transformers ties the head to the embedding and ignores a stored lm_head; old folders keep RoPE's buffer
-    ignored=lambda m: (r"\.rotary_emb\.inv_freq$", *((r"^lm_head\.weight$",) if m.tie_embeddings else ())),
+    ignored=llama_ignored,
     extra=llama_extra,
 )

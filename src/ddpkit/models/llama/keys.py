@@ -19,6 +19,11 @@ class LlamaKeys:
     ffn_hidden: int | None = opt(
         None, "the SwiGLU MLP's width; null: 8 x n_embd / 3 rounded up to a multiple of 8", gt=0
     )
+    head_dim: int | None = opt(
+        None,
+        "the width of one attention head (the queries' n_head x head_dim need not be n_embd); null: n_embd / n_head",
+        gt=0,
+    )
     rope_theta: float = opt(10000.0, "the base of the rotary position embeddings", gt=0)
     norm_eps: float = opt(1e-5, "the RMSNorm epsilon", gt=0, lt=1)
 

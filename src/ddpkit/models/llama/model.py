@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddpkit.errors import UserError
 from ddpkit.models.blocks import BlockStack
-from ddpkit.models.family import ModelFamily, images_refused
+from ddpkit.models.family import FamilyCard, HFConverter, ModelFamily, images_refused
 from ddpkit.models.init import Step, init_tensors, normal, zeros
 from ddpkit.models.keys import activation_bytes, check_heads
 from ddpkit.models.llama import hf
@@ -195,11 +195,12 @@ class Llama(nn.Module):
             self.head.weight = self.tok_emb.weight
         init_tensors(self, init_steps)  # from torch's global stream (nothing on the meta device)
 
-    def block(self, i: int) -> nn.Module:
-        """Block `i` of the stack (a family whose blocks differ, experts say, gives its own)."""
+    def block(self, i: int, mlp: nn.Module | None = None) -> nn.Module:
+        """Block `i` of the stack, its MLP `mlp` or a SwiGLU (a family whose blocks differ, experts say, gives its
+        own)."""
         return Block(
             self.n_embd, self.n_head, self.n_kv_head, self.ffn_hidden, self.rope_theta, self.norm_eps,
-            self.dropout, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
+            self.dropout, mlp, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
             qk_norm_eps=self.norm_eps if self.qk_norm else None, window=self.sliding_window,
         )  # fmt: skip
 
@@ -238,7 +239,7 @@ def builder(model: type[Llama], windowed: bool = False) -> Callable[[str, int, i
         return model(
             vocab_size, block_size, m.n_layer, m.n_head, m.n_embd, n_kv_head=m.n_kv_head,
             ffn_hidden=m.ffn_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-            tie_embeddings=m.tie_embeddings, dropout=m.dropout, **window,
+            tie_embeddings=m.tie_embeddings, dropout=m.dropout, head_dim=m.head_dim, **window,
         )  # fmt: skip
 
     return build
@@ -256,8 +257,10 @@ STACK = BlockStack(
 
 
 def check_keys(m: Any) -> None:
-    """The width fits the heads, and the key/value heads the query heads (ModelFamily.check_keys)."""
-    check_heads(m)
+    """The width fits the heads (unless model.head_dim gives the heads' width), and the key/value heads the query
+    heads (ModelFamily.check_keys)."""
+    if m.head_dim is None:
+        check_heads(m)
     if m.n_kv_head is not None and m.n_head % m.n_kv_head:
         raise UserError(
             f"model.n_head={m.n_head} is not a multiple of model.n_kv_head={m.n_kv_head}",
@@ -268,7 +271,7 @@ def check_keys(m: Any) -> None:
 def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
     """(parameters, activation bytes) before building (ModelFamily.estimate): the attention's projections (the
     keys' and values' for n_kv_head heads), the SwiGLU's three, the norms; the activations as every decoder's (models.keys.activation_bytes)."""
-    head = getattr(m, "head_dim", None) or m.n_embd // max(1, m.n_head)
+    head = m.head_dim or m.n_embd // max(1, m.n_head)
     q, kv = m.n_head * head, (m.n_kv_head or m.n_head) * head
     hidden = swiglu_width(m.n_embd, m.ffn_hidden)
     per_layer = 2 * m.n_embd * q + 2 * m.n_embd * kv + 3 * m.n_embd * hidden + 2 * m.n_embd
@@ -276,17 +279,31 @@ def estimate_of(m: Any, block_size: int, batch: int) -> tuple[int, int]:
     return m.n_layer * per_layer + m.n_embd, activations
 
 
-FAMILY = ModelFamily(
-    **CARD.fields(),
-    owns=CARD.owns,
-    build=images_refused,
-    names=lambda: [CARD.name],
-    build_lm=builder(Llama),
-    module_types=(Llama,),
-    **STACK.family_fields(),
-    hf=hf.CONVERTER,
-    check_keys=check_keys,
-    estimate=estimate_of,
-    init_weights=init_steps,
+def llama_shaped(
+    card: FamilyCard, model: type[Llama], converter: HFConverter | None, order: int, windowed: bool = False
+) -> ModelFamily:
+    """The ModelFamily of a Llama-shaped family (the Llama's, Qwen2's, ...): `model` (the Llama or a subclass
+    fixing its options) built from the config's keys (model.sliding_window among them when `windowed`), the
+    Llama's parallel facts, checks, size estimate and initialisation, and the family's own Hugging Face converter."""
+    return ModelFamily(
+        **card.fields(),
+        owns=card.owns,
+        build=images_refused,
+        names=lambda: [card.name],
+        build_lm=builder(model, windowed),
+        module_types=(model,),
+        **STACK.family_fields(),
+        hf=converter,
+        check_keys=check_keys,
+        estimate=estimate_of,
+        init_weights=init_steps,
+        order=order,
+    )
+
+
+FAMILY = llama_shaped(
+    CARD,
+    Llama,
+    hf.CONVERTER,
     order=300,
 )

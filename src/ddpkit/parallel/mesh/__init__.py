@@ -6,9 +6,12 @@ The ranks form a (pp, dp, tp) grid, tensor-parallel peers next to each other (ra
 tp_k), so a tensor-parallel group sits on one node whenever tp divides the processes per node. The data-parallel
 degree is what is left: world_size / (tp * pp). Under HSDP (dist.strategy=hsdp) the dp dim is itself
 dp_replicate x dp_shard (dp_j = r * dp_shard + s): FSDP shards over the dp_shard ranks next to each other (one
-node by default) and replicates over the groups (`hsdp_mesh`). Ranks of one tensor or pipeline group read the same samples (the
-loaders shard by the dp coordinate and dp degree), and metrics count every sample once, on one rank per dp
-replica (`counts`).
+node by default) and replicates over the groups (`hsdp_mesh`). Expert parallelism (dist.ep) borrows its ranks
+from the dp dim as torchtitan does: dp = edp x ep (dp_j = d * ep + e), the ep ranks next to each other (inside one
+HSDP sharding group), each holding 1/ep of the routed experts and exchanging tokens with the others; the experts
+are data-parallel over the edp ranks that hold the same ones (`expert_meshes`, parallel/experts/). Ranks of one
+tensor or pipeline group read the same samples (the loaders shard by the dp coordinate and dp degree), and metrics
+count every sample once, on one rank per dp replica (`counts`).
 
 Importing this module imports no torch: the command line checks a layout before any worker starts.
 """
@@ -34,6 +37,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp_shard: int | None = None  # HSDP: ranks per sharding group (None: one group of all dp ranks)
+    ep: int = 1  # expert-parallel ranks, borrowed from dp (dp_j = edp * ep + ep coordinate)
 
     @property
     def world_size(self) -> int:
@@ -45,8 +49,8 @@ class Layout:
         return self.dp_shard or self.dp
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{"pp": i, "dp": j, "tp": k, "dp_replicate": r, "dp_shard": s} of `rank`, where rank = (i * dp + j) *
-        tp + k and j = r * shard + s."""
+        """{"pp": i, "dp": j, "tp": k, "dp_replicate": r, "dp_shard": s, "ep": e, "edp": d} of `rank`, where rank =
+        (i * dp + j) * tp + k, j = r * shard + s and j = d * ep + e."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
         dp = (rank // self.tp) % self.dp
@@ -56,6 +60,8 @@ class Layout:
             "tp": rank % self.tp,
             "dp_replicate": dp // self.shard,
             "dp_shard": dp % self.shard,
+            "ep": dp % self.ep,
+            "edp": dp // self.ep,
         }
 
     def counts(self, rank: int) -> bool:
@@ -68,7 +74,11 @@ class Layout:
         """`dp_replicate=0 dp_shard=1 dp=1 tp=0 pp=0` (this rank's coordinates, as `ddpkit info` shows them;
         dp = dp_replicate * shard + dp_shard)."""
         c = self.coords(rank)
-        return f"dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} dp={c['dp']} tp={c['tp']} pp={c['pp']}"
+        experts = f" ep={c['ep']}" if self.ep > 1 else ""
+        return (
+            f"dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} dp={c['dp']} tp={c['tp']} pp={c['pp']}"
+            + experts
+        )
 
     @property
     def parallel(self) -> bool:
@@ -76,9 +86,10 @@ class Layout:
         return self.tp > 1 or self.pp > 1
 
 
-def layout_of(world_size: int, tp: int = 1, pp: int = 1, dp_shard: int | None = None) -> Layout:
-    """The Layout of `world_size` ranks with these degrees; a UserError when tp * pp does not divide it, or
-    dp_shard (HSDP's sharding group) the data-parallel degree."""
+def layout_of(world_size: int, tp: int = 1, pp: int = 1, dp_shard: int | None = None, ep: int = 1) -> Layout:
+    """The Layout of `world_size` ranks with these degrees; a UserError when tp * pp does not divide it,
+    dp_shard (HSDP's sharding group) the data-parallel degree, or ep the data-parallel ranks (HSDP's sharding
+    group: the expert ranks sit inside one)."""
     if tp < 1 or pp < 1:
         raise UserError(
             f"dist.tp={tp} dist.pp={pp}: the degrees must be at least 1", "use dist.tp=1 dist.pp=1"
@@ -94,7 +105,24 @@ def layout_of(world_size: int, tp: int = 1, pp: int = 1, dp_shard: int | None = 
             f"dist.dp_shard={dp_shard} does not divide the {dp} data-parallel rank(s) (dist.tp={tp} dist.pp={pp})",
             f"use a dist.dp_shard that divides {dp}",
         )
-    return Layout(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)
+    check_ep(ep, dp, dp_shard, f"{world_size} process(es) with dist.tp={tp} dist.pp={pp}")
+    return Layout(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, ep=ep)
+
+
+def check_ep(ep: int, dp: int, shard: int | None, what: str) -> None:
+    """dist.ep divides the data-parallel ranks it borrows (those of one HSDP sharding group: `shard`)."""
+    if ep < 1:
+        raise UserError(f"dist.ep={ep}: the degree must be at least 1", "use dist.ep=1")
+    if dp % ep:
+        raise UserError(
+            f"dist.ep={ep} does not divide the {dp} data-parallel rank(s) of {what} (ep borrows its ranks)",
+            f"use a dist.ep that divides {dp}",
+        )
+    if shard is not None and shard % ep:
+        raise UserError(
+            f"dist.ep={ep} does not divide HSDP's sharding group of dist.dp_shard={shard} ranks",
+            f"use a dist.ep that divides {shard}, or a dist.dp_shard that is a multiple of {ep}",
+        )
 
 
 def shard_degree(configured: int | None, dp: int, tp: int, per_node: int) -> int:

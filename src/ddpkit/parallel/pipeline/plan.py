@@ -156,4 +156,4 @@ def _check_microbatching(cfg: Any) -> None:
 
 def _check_split(cfg: Any, n_stages: int) -> None:
     """The model's family declares a cut into `n_stages` stages."""
-    model_family(cfg.model.arch).check_pipeline(cfg, n_stages)
+    model_family(cfg.model.arch, cfg.model).check_pipeline(cfg, n_stages)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.parallel.clip import clip_grad_norm_
+from ddpkit.parallel.experts.apply import expert_modules, ignore_in_ddp, reduce_expert_grads
 from ddpkit.parallel.pipeline import stage_state
 from ddpkit.parallel.pipeline.passing import check_output, checked_loss, refusal
 from ddpkit.parallel.pipeline.plan import SPLIT_BACKWARD, stage_ids, stage_rank
@@ -117,6 +118,7 @@ class PipelineRunner:
         eval_stages: Sequence[nn.Module] | None = None,
         shared: Sequence = (),
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        experts: Any = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -133,7 +135,7 @@ class PipelineRunner:
         # parameters used by stages of several ranks (pipeline.split.Shared): their gradients summed over those
         # ranks after each backward, so every copy takes the one-process update
         self.shared = [s for s in shared if len({self._pp_rank(sid) for sid in s.stages}) > 1]
-        self.shard = shard
+        self.shard, self.experts = shard, experts
         # a zero-bubble schedule computes the weights' gradients apart from the backward (and out of micro-batch
         # order), which DDP's reducer cannot follow: the replicas' gradients are averaged after the step instead
         self.average_after = (
@@ -164,8 +166,9 @@ class PipelineRunner:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # every forward through it runs under no_sync (step()), and torch's stage starts the gradients' reduction
-        # itself in the last micro-batch's backward: DDP needs no search for unused parameters
-        return DDP(module, process_group=self.dp_group)
+        # itself in the last micro-batch's backward: DDP needs no search for unused parameters. The experts split
+        # over dist.ep (and a mixture of experts' per-rank counts) it leaves alone: step() reduces them
+        return DDP(ignore_in_ddp(module), process_group=self.dp_group)
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         """DDP's no_sync over the step: torch's schedules run their forwards under it and reduce the gradients
@@ -240,6 +243,9 @@ class PipelineRunner:
         if self.average_after:
             self._average_over_replicas()
         self._sum_shared_grads()
+        if self.experts is not None and (self.shard is None or not self.experts.shardable):  # not FSDP2's
+            for stage in self.stages:
+                reduce_expert_grads(stage, self.experts)
         for p, g in zip(params, kept, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
@@ -255,8 +261,14 @@ class PipelineRunner:
         """Each gradient of this rank's stages averaged over the data-parallel replicas, as DDP would (one
         all-reduce per dtype of the flattened gradients)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        # the experts split over dist.ep: each rank's own, reduced over the edp ranks (reduce_expert_grads)
+        split = (
+            {id(p) for m in self.stages for e in expert_modules(m) for p in e.parameters()}
+            if self.experts
+            else ()
+        )
         for p in self.parameters():
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in split:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         n = dist.get_world_size(self.dp_group)
         for grads in by_dtype.values():
@@ -369,9 +381,10 @@ class PipelineRunner:
         return sums
 
     def _even_out(self, forwards: int, loader: Iterable, dummy: torch.Tensor | None) -> None:
-        """Sharded stages: a replica that ran fewer forwards than another runs unscored ones until
-        it has run as many (each forward is a collective over the data-parallel ranks), on a piece it ran before."""
-        if self.shard is None:
+        """Sharded stages or experts split over dist.ep: a replica that ran fewer forwards than another runs
+        unscored ones until it has run as many (each forward is a collective over the data-parallel ranks), on a
+        piece it ran before."""
+        if self.shard is None and self.experts is None:
             return
         most = torch.tensor([forwards], dtype=torch.int64, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

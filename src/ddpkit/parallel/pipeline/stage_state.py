@@ -17,8 +17,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import dcp_io
-from ddpkit.checkpoint.sharded import MODEL, OPTIM, _dcp_load, _name_keyed, _optim_template
-from ddpkit.checkpoint.state_dict import GROUPS, PARAMS, STATE, _merged_on_rank0, _union, _union_optim
+from ddpkit.checkpoint.sharded import MODEL, OPTIM, _dcp_load, _name_keyed, _optim_template, model_sd_names
+from ddpkit.checkpoint.state_dict import (
+    GROUPS,
+    PARAMS,
+    STATE,
+    _merged_on_rank0,
+    _union,
+    _union_optim,
+    check_unused,
+)
 
 
 def _full(value: Any) -> Any:
@@ -81,6 +89,7 @@ def load_optimizer(stages: list[nn.Module], optimizer: Any, optim_sd: dict) -> N
 
 def load_state(stages: list[nn.Module], optimizer: Any, model_sd: dict, optim_sd: dict | None) -> None:
     """A full state, written under any layout, into this rank's stages (each takes the names it holds)."""
+    check_unused([k for stage in stages for k in stage.state_dict()], model_sd)
     for stage in stages:
         own = stage.state_dict()
         missing = [k for k in own if k not in model_sd]
@@ -115,6 +124,7 @@ def sharded_state(stages: list[nn.Module], optimizer: Any) -> tuple[dict[str, to
 def load_sharded(path: str | os.PathLike, stages: list[nn.Module], optimizer: Any, side: dict) -> None:
     """A DCP folder written under any layout into this rank's stages (each reads the parts it holds)."""
     template = {MODEL + k: v for stage in stages for k, v in stage.state_dict().items()}
+    check_unused(model_sd_names(template), model_sd_names(dcp_io.tensor_entries(dcp_io.read_metadata(path))))
     _dcp_load(Path(path), template)
     for stage in stages:
         stage.load_state_dict({k: template[MODEL + k] for k in stage.state_dict()})

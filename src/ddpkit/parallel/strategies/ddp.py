@@ -1,4 +1,7 @@
-"""ddp: DistributedDataParallel, with an optional gradient-compression hook (torch's own DDP comm hooks)."""
+"""ddp: DistributedDataParallel, with an optional gradient-compression hook (torch's own DDP comm hooks). Under
+expert parallelism DDP leaves the experts split over dist.ep alone (and every mixture of experts' per-rank routing
+counts): their gradients are reduced over the ranks holding the same experts once the step's last backward is
+done (parallel/experts/)."""
 
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ class DDPStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from ddpkit.parallel.experts.apply import ignore_in_ddp
+
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        ddp = DDP(model, device_ids=ids, process_group=self.dp_group, **self.ddp_options)
+        ddp = DDP(ignore_in_ddp(model), device_ids=ids, process_group=self.dp_group, **self.ddp_options)
         self._hook_state = self.compression.register(ddp)
         return ddp
 
@@ -37,8 +42,14 @@ class DDPStrategy(Strategy):
     def load_hook_state(self, state: dict | None) -> None:
         self.compression.load_state_dict(self._hook_state, state, self.ctx.device)
 
+    @contextlib.contextmanager
     def sync_context(self, wrapped: nn.Module, sync: bool):
-        return contextlib.nullcontext() if sync else wrapped.no_sync()
+        with contextlib.nullcontext() if sync else wrapped.no_sync():
+            yield
+        if sync and self.experts is not None:  # the experts DDP left alone: over the ranks holding them
+            from ddpkit.parallel.experts.apply import reduce_expert_grads
+
+            reduce_expert_grads(wrapped.module, self.experts)
 
 
 ENTRY = StrategyEntry(
@@ -49,5 +60,6 @@ ENTRY = StrategyEntry(
     compression=True,
     replicates=True,
     with_pp=True,
+    with_ep=True,
     auto=("several",),
 )

@@ -67,10 +67,15 @@ class FSDPStrategy(Strategy):
         stage's wrapper, whose forward the schedule calls); returns the root."""
         from torch.distributed.fsdp import fully_shard
 
+        left: dict = {}  # what the dense units leave alone
+        if self.experts is not None:  # the routed experts split over dist.ep: over their edp ranks first
+            from ddpkit.parallel.experts.apply import shard_experts
+
+            left = shard_experts(model, self.experts, self.shard_options())
         for block in shard_units(model):  # one shard group per block, then the root
-            fully_shard(block, **self.shard_options())
+            fully_shard(block, **self.shard_options(), **left)
         root = model if root is None else root
-        fully_shard(root, **self.shard_options(root=True))
+        fully_shard(root, **self.shard_options(root=True), **left)
         return root
 
     def unwrap(self, wrapped):
@@ -83,9 +88,14 @@ class FSDPStrategy(Strategy):
     def collective_forward(self) -> bool:
         return True
 
+    @contextlib.contextmanager
     def sync_context(self, wrapped, sync):
         wrapped.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
+        yield
+        if sync and self.experts is not None and not self.experts.shardable:  # experts FSDP2 left alone
+            from ddpkit.parallel.experts.apply import reduce_expert_grads
+
+            reduce_expert_grads(wrapped, self.experts)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -164,6 +174,7 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     offloads=True,
     with_pp=True,
+    with_ep=True,
     auto=("offload",),
     recognizes=_recognizes,
     wraps_meta=True,

@@ -44,6 +44,7 @@ ENTRY = StrategyEntry(
     remakes_optimizer=True,
     over_dtensors=True,
     with_pp=True,
+    with_ep=True,
     hybrid=True,
     wraps_meta=True,
 )

@@ -25,6 +25,7 @@ ENTRY = StrategyEntry(
     over_dtensors=True,
     offloads=True,
     with_pp=True,
+    with_ep=True,
     auto=("tp",),
     wraps_meta=True,
 )

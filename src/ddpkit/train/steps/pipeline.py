@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from ddpkit.data.prefetch import to_device
 from ddpkit.models import model_family
+from ddpkit.parallel.experts.apply import apply_expert_parallel
+from ddpkit.parallel.experts.meshes import expert_meshes
 from ddpkit.parallel.mesh import Layout, build_mesh
 from ddpkit.parallel.mesh.tensor import apply_tensor_parallel
 from ddpkit.parallel.pipeline import stage_state
@@ -59,6 +61,13 @@ class PipelineSteps(StepRunner):
     @property
     def clip_target(self) -> Any:
         return self.runner  # the norm over every stage of every pipeline rank
+
+    @property
+    def dp_group(self) -> Any:
+        return self.runner.dp_group
+
+    def loss_scale(self) -> float:
+        return 1.0  # the schedule divides the gradients by the micro-batches, forward_backward by the steps
 
     def begin_epoch(self, sums: Any) -> None:
         """A rank that runs no last stage keeps the partial sums a resume restored (`sums`: rank 0 holds them);
@@ -108,6 +117,17 @@ class PipelineSteps(StepRunner):
         return self.task.val_fields(sums.tolist())
 
 
+def _split_stages(stages: list, mesh: Any, layout: Layout, family: Any) -> tuple[list, Any]:
+    """Each stage split over its tensor-parallel peers by the family's plan (the parts it holds), and its routed
+    experts over its ep peers; with the experts' meshes (None without dist.ep)."""
+    if layout.tp > 1:
+        stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
+    experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
+    if experts is not None:
+        stages = [apply_expert_parallel(s, experts) for s in stages]
+    return stages, experts
+
+
 def build(
     cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, make: Any = None, **step
 ) -> PipelineSteps:
@@ -121,7 +141,7 @@ def build(
     n_stages, micro = d.pp * len(ids), n_microbatches(d.pp, d.pp_microbatches)
     fixed = eval_stages = None
     shared: list = []
-    family = model_family(cfg.model.arch)
+    family = model_family(cfg.model.arch, cfg.model)
     if family.pp_stage is not None:  # the family cuts itself (a rank running several stages cuts copies)
         stages = [family.pp_stage(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages) for s in ids]
     else:  # traced at its split points on one micro-batch of images, so every batch through it has that size
@@ -131,16 +151,15 @@ def build(
         example = (torch.zeros(fixed, spec.in_channels, spec.image_size, spec.image_size, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
         stages, eval_stages, shared = traced_stages(model, splits, example, ids)
-    if (
-        layout.tp > 1
-    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
-        stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
+    stages, experts = _split_stages(stages, mesh, layout, family)
     name, shard = pipeline_strategy(d.strategy, layout), None
     replicated = get_strategy(name).replicates
     for stage in stages if make is not None and replicated else ():
         make(stage)  # whole on each replica, before DDP broadcasts it
     if not replicated:  # FSDP2 over the dp dim of each (tensor-parallel) stage
-        sharding = build_strategy(name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp)
+        sharding = build_strategy(
+            name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp, experts=experts
+        )
         step["autocast"] = sharding.step_autocast(step["autocast"])  # none where FSDP2 casts itself
 
         def shard(edges: nn.Module) -> nn.Module:  # the stage's units, then the wrapper the schedule calls
@@ -159,6 +178,7 @@ def build(
         eval_stages=eval_stages,
         shared=shared,
         shard=shard,
+        experts=experts,
     )
     for stage in stages if make is not None and not replicated else ():
         make(stage)  # each rank its FSDP2 shards only

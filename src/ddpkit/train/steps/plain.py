@@ -12,6 +12,8 @@ import torch.nn as nn
 from ddpkit.data.prefetch import to_device
 from ddpkit.models import model_family
 from ddpkit.parallel.compression import Compression
+from ddpkit.parallel.experts.apply import apply_expert_parallel
+from ddpkit.parallel.experts.meshes import expert_meshes
 from ddpkit.parallel.materialize import wrap_made
 from ddpkit.parallel.plan import build_strategy
 from ddpkit.parallel.strategy import Strategy, ddp_options
@@ -52,6 +54,22 @@ class StepRunner:
     def clip_target(self) -> Any:
         """What ddpkit.clip_grad_norm_ takes the global norm over."""
         return self.model
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group of this rank's data-parallel peers (None: every rank)."""
+        return self.strategy.dp_group
+
+    def loss_scale(self) -> float:
+        """What a micro-batch's mean loss is multiplied by before its backward (1 / train.grad_accum_steps, and
+        fp16's gradient scale): a loss the model joins in backward (a mixture of experts' auxiliary loss) is
+        scaled so too."""
+        return (self.scaler.get_scale() if self.scaler.is_enabled() else 1.0) / self.accum
+
+    def routing_fields(self) -> dict[str, Any]:
+        """The metrics of a mixture of experts' routing since the last call (train/steps/experts.py; collective
+        there): none for a dense model."""
+        return {}
 
     def train(self) -> None:
         """Training mode, once an epoch (evaluation switches to eval mode between epochs)."""
@@ -101,10 +119,14 @@ def build(
     cfg: Any, ctx: Any, model: nn.Module, *, layout: Any, mesh: Any, spec: Any, make: Any = None, **step: Any
 ) -> StepRunner:
     """The plain runner: the strategy over the data-parallel ranks (over the mesh's "dp" dim when tensor
-    parallelism or HSDP splits the ranks) wrapping the whole model; a model on the meta device made by `make`
-    (parallel/materialize.py: after the wrap where that leaves each rank its shards only). model.compile: each
-    block compiled before a sharded layout wraps it (FSDP2's gathers and tensor parallelism's collectives stay
-    outside the compiled graphs, as torchtitan does), else the whole wrapped model."""
+    parallelism, HSDP or expert parallelism splits the ranks) wrapping the whole model, its routed experts split
+    over dist.ep first; a model on the meta device made by `make` (parallel/materialize.py: after the wrap where
+    that leaves each rank its shards only). model.compile: each block compiled before a sharded layout wraps it
+    (FSDP2's gathers and tensor parallelism's collectives stay outside the compiled graphs, as torchtitan does),
+    else the whole wrapped model."""
+    experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
+    if experts is not None:
+        apply_expert_parallel(model, experts)
     strategy = build_strategy(
         cfg.dist.strategy,
         ctx,
@@ -114,8 +136,9 @@ def build(
         offload=cfg.dist.offload,
         dp_shard=layout.dp_shard,
         amp=cfg.train.amp,
+        experts=experts,
     )
-    blocks = model_family(cfg.model.arch).checkpointed
+    blocks = model_family(cfg.model.arch, cfg.model).checkpointed
     per_block = blocks is not None and (layout.tp > 1 or "gradients" in strategy.entry.shards)
     for block in blocks(model) if cfg.model.compile and per_block else ():
         block.compile()  # in place: the parameter names (and checkpoints) stay the model's
@@ -132,7 +155,7 @@ def build(
         wrapped,
         (coords["dp"], layout.dp),  # tensor-parallel peers read the same samples
         counts=layout.counts(ctx.rank),
-        collective_eval=layout.tp > 1,
+        collective_eval=layout.tp > 1 or layout.ep > 1,  # every forward a collective: ranks run as many
         autocast=autocast,
         **step,
     )
