@@ -79,6 +79,11 @@ def reference(gpt_text, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deep_reference(gpt_text, tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("moe_deep_reference"), gpt_text, "model.n_layer=4")
+
+
+@pytest.fixture(scope="module")
 def bias_reference(gpt_text, tmp_path_factory):
     return _reference(tmp_path_factory.mktemp("moe_bias_reference"), gpt_text, *BIAS)
 
@@ -255,6 +260,8 @@ FOUR = {  # 2 samples per data-parallel rank and step: 8 per step
     "ep2-hsdp": ("dist.ep=2", "dist.strategy=hsdp", "dist.dp_shard=2", "train.batch_size=2"),
     "ep2-tp2": ("dist.ep=2", "dist.tp=2", "train.batch_size=4"),
     "ep2-pp2": ("dist.ep=2", "dist.pp=2", "train.batch_size=4", "checkpoint.format=sharded"),
+    # a zero-bubble schedule (two stages a rank, so 4 blocks): the replicas average after the step, not the experts
+    "ep2-zbv": ("dist.ep=2", "dist.pp=2", "dist.pp_schedule=zbv", "train.batch_size=4", "model.n_layer=4"),
 }
 
 
@@ -282,11 +289,12 @@ def _two(rank: int, world_size: int, root: str, text: str) -> dict:
 
 @pytest.mark.slow
 def test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts(
-    reference, bias_reference, gpt_text, tmp_path, capsys
+    reference, deep_reference, bias_reference, gpt_text, tmp_path, capsys
 ):
     four = run_group(_four, 4, str(tmp_path), str(gpt_text), timeout=400)[0]  # full weights on rank 0
     for name in ("ep2-fsdp", "ep2-hsdp", "ep2-tp2"):
         _assert_close(four[name], reference[0])
+    _assert_close(four["ep2-zbv"], deep_reference[0])
     for name in ("ep2-fsdp", "ep2-tp2"):  # the routing's metrics: every rank's tokens, each counted once
         row = metrics_rows(tmp_path / name)[-1]
         for key in ROUTING:
