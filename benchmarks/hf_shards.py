@@ -11,6 +11,7 @@ folder, and the export of the sharded checkpoint the init_from run wrote (`ddpki
 its peak resident memory measured by /usr/bin/time).
 
     python benchmarks/hf_shards.py                        # 8 processes, the markdown table
+    python benchmarks/hf_shards.py --probe                # model.init_from only: building vs the step apart
     python benchmarks/hf_shards.py --nproc 4 --src /tmp/old/src   # another checkout's code (PYTHONPATH)
 """
 
@@ -100,16 +101,52 @@ def _help(src: Path) -> str:
     ).stdout
 
 
-def keys(shape: dict) -> list[str]:
-    return ["model.arch=llama", "model.norm_eps=1e-6", *[f"model.{k}={v}" for k, v in shape.items()]]
+def probe(out: Path, data: Path, nproc: int, src: Path, start: list[str]) -> dict[str, int]:
+    """The largest rank's peak resident memory once the Trainer is built (the model laid out and the folder
+    read) and after one step, by benchmarks/peak_probe.py."""
+    settings = [f"out_dir={out}", f"data.root={data}", *RUN, *start]
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(nproc), "--oversubscribe"]
+    cmd += [str(ROOT / "benchmarks" / "peak_probe.py"), str(out) + ".json", *settings]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode:
+        raise SystemExit(f"{out.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    ranks = json.loads(Path(str(out) + ".json").read_text())["ranks"]
+    return {k: max(r[k] for r in ranks) for k in ("start", "built", "stepped")}
 
 
-def measure(nproc: int, src: Path, tmp: Path) -> dict[str, int]:
+def probe_folder(nproc: int, src: Path, tmp: Path) -> None:
+    """model.init_from of the tiny and the 201M folder, building and the step apart: a markdown table."""
+    data = _tokens(tmp, nproc)
+    got = {}
+    for name, shape in (("tiny", TINY), ("big", BIG)):
+        make_folder(shape, tmp / f"hf-{name}")
+        got[name] = probe(tmp / f"probe-{name}", data, nproc, src, [f"model.init_from={tmp / f'hf-{name}'}"])
+    model = sum(f.stat().st_size for f in (tmp / "hf-big").glob("*.safetensors"))
+    print(f"| {nproc} processes, fsdp, model.init_from | tiny | 201M | added | added / model bytes |")
+    print("|---|---|---|---|---|")
+    for k, what in (("built", "built: laid out, folder read"), ("stepped", "after one AdamW step")):
+        tiny, big = got["tiny"][k], got["big"][k]
+        print(
+            f"| {what} | {tiny / 2**20:.0f} MiB | {big / 2**20:.0f} MiB | {(big - tiny) / 2**20:.0f} MiB | {(big - tiny) / model:.2f} |"
+        )
+
+
+def _tokens(tmp: Path, nproc: int) -> Path:
     data = tmp / "tokens"
     data.mkdir()
     rng = np.random.default_rng(0)  # the validation set: one block per rank (its pass costs a step's forward)
     for split, n in (("train", 64 * (CONTEXT + 1)), ("val", nproc * CONTEXT + 1)):
         rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(data / f"{split}.bin")
+    return data
+
+
+def keys(shape: dict) -> list[str]:
+    return ["model.arch=llama", "model.norm_eps=1e-6", *[f"model.{k}={v}" for k, v in shape.items()]]
+
+
+def measure(nproc: int, src: Path, tmp: Path) -> dict[str, int]:
+    data = _tokens(tmp, nproc)
     got = {}
     for name, shape in (("tiny", TINY), ("big", BIG)):
         make_folder(shape, tmp / f"hf-{name}")
@@ -133,7 +170,11 @@ def main() -> None:
         "--src", type=Path, default=ROOT / "src", help="the ddpkit source to run (PYTHONPATH)"
     )
     parser.add_argument("--json", help="write the numbers here too")
+    parser.add_argument("--probe", action="store_true", help="model.init_from: building and the step apart")
     args = parser.parse_args()
+    if args.probe:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+            return probe_folder(args.nproc, args.src, Path(tmp))
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         got = measure(args.nproc, args.src, Path(tmp))
     model = got["bytes big"]  # the 201M model's float32 bytes (its folder's, headers aside: ~0.01%)

@@ -372,6 +372,7 @@ DEFERRED: dict[str, str] = {
     "ddpkit.commands.lm.export -> ddpkit.models.loading": "`ddpkit export --help` imports no torch",
     "ddpkit.commands.run -> ddpkit.distributed.runtime": "a rank of `ddpkit run` execs the script without torch",
     "ddpkit.commands.train -> ddpkit.checkpoint": _TORCH_FREE_CLI,
+    "ddpkit.commands.train -> ddpkit.checkpoint.background": _TORCH_FREE_CLI,
     "ddpkit.commands.train -> ddpkit.train.health": _TORCH_FREE_CLI,
     "ddpkit.commands.train -> ddpkit.train.rundir": _TORCH_FREE_CLI,
     "ddpkit.commands.train -> ddpkit.train.trainer": _TORCH_FREE_CLI,

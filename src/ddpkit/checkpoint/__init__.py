@@ -203,11 +203,31 @@ class CheckpointDir:
         if is_best:
             _place(path, self.best)
 
-    def save_sharded(self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool) -> None:
+    def save_sharded(
+        self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool, background: Any = None
+    ) -> None:
         """The sharded counterpart of save_epoch (side["consumed"] == 0) and save_step, every rank writing its
-        tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone."""
+        tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone.
+        `background` (checkpoint.background.Saves, none in flight): the state is staged now and written, placed,
+        copied and pruned by its thread (checkpoint.async_save)."""
         target = self.last if side["consumed"] else self.epoch_path(side["epoch"])
-        sharded.write(target, tensors, side, is_main)
+        if background is None:
+            sharded.write(target, tensors, side, is_main)
+            self._placed(target, is_main, is_best)
+            return
+        wait, place = sharded.write_in_background(target, tensors, side, is_main, background.group())
+
+        def finish() -> None:
+            wait()
+            if not background.abandoned:  # a failed run lets go of out_dir: it no longer places anything
+                place()
+                self._placed(target, is_main, is_best)
+
+        background.start(finish)
+
+    def _placed(self, target: Path, is_main: bool, is_best: bool) -> None:
+        """Rank 0, once `target` is in place: its copies as last.dcp (an epoch folder) and best.dcp, the old epoch
+        folders pruned."""
         if not is_main:
             return
         if target != self.last:

@@ -16,8 +16,10 @@ and `state.pt`, the non-tensor rest, written by rank 0 and loadable with torch.l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,24 +110,77 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
     Collective; rank 0 returns once the folder is in place."""
     import torch.distributed.checkpoint as dcp
 
+    tmp, side_bytes = _begin(target, side, is_main)
+    with _named_errors(target), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=_no_dist())
+    if is_main:
+        place(tmp, target, side_bytes)
+
+
+def write_in_background(
+    target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], is_main: bool, group: Any
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The same write with torch.distributed.checkpoint.async_save: the tensors are staged (copied into memory
+    of their own) before this returns, every rank's shards are written by a background thread whose collectives
+    run over `group` (a gloo group of their own, apart from training's). Returns (`wait`, `place`): once wait()
+    returns, every rank's shards and DCP's .metadata are durable (it raises the write's error); place() then puts
+    the folder in place on rank 0 (state.pt, fsync, rename) as write() does. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp, side_bytes = _begin(target, side, is_main)
+    # one process: DCP's thread warns that it assumes so (a filter of this thread cannot reach it)
+    if _no_dist():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=dcp.__name__)
+    written = dcp.async_save(
+        tensors,
+        storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+        process_group=group,
+        no_dist=_no_dist(),
+    )
+
+    def wait() -> None:
+        with _named_errors(target):
+            written.result()
+
+    def place_it() -> None:
+        if is_main:
+            place(tmp, target, side_bytes)
+
+    return wait, place_it
+
+
+def _begin(target: Path, side: dict[str, Any], is_main: bool) -> tuple[Path, bytes]:
+    """(the temporary folder rank 0 made beside `target`, on every rank; state.pt's bytes, made now: the state
+    as it is at this step). Collective."""
+    import io
+
     tmp = Path(broadcast_object(str(dcp_io.temp_folder(target)) if is_main else None))
-    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    buf = io.BytesIO()
+    if is_main:
+        torch.save({**side, "format": FORMAT}, buf)
+    return tmp, buf.getvalue()
+
+
+def place(tmp: Path, target: Path, side_bytes: bytes) -> None:
+    """Rank 0, once every rank's shards are in `tmp`: state.pt added, the folder fsynced and renamed to `target`."""
+    atomic_write(tmp / SIDE, lambda fh: fh.write(side_bytes))
+    dcp_io.replace_folder(tmp, target)
+
+
+@contextlib.contextmanager
+def _named_errors(target: Path):
+    """A failed DCP save (a full disk, a size limit: DCP wraps each rank's error in a CheckpointException) raised
+    as the OSError behind it, naming the folder being written."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with warnings.catch_warnings():  # one process without a group: DCP warns that it assumes so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
-    except (
-        CheckpointException
-    ) as e:  # a full disk, a size limit: the OSError, naming the folder being written
+        yield
+    except CheckpointException as e:
         error = _write_error(e)
         if error is None:
             raise
         raise OSError(error.errno, error.strerror, str(target)) from None
-    if is_main:
-        atomic_write(tmp / SIDE, lambda fh: torch.save({**side, "format": FORMAT}, fh))
-        dcp_io.replace_folder(tmp, target)
 
 
 def _write_error(e: BaseException) -> OSError | None:

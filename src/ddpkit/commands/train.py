@@ -19,10 +19,12 @@ if TYPE_CHECKING:  # torch loads when the command runs, not when its flags are p
 def check_inputs(cfg: Config) -> None:
     """The data, the model and checkpoint.resume, checked without reading them (train and eval)."""
     from ddpkit.checkpoint import check_file
+    from ddpkit.checkpoint.background import check_async_save
 
     data.check_available(cfg)
     models.check_arch(cfg)
     check_pipeline(cfg)
+    check_async_save(cfg)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_file(cfg.checkpoint.resume)
 

@@ -284,6 +284,12 @@ class CheckpointConfig(Section):
         "full: one torch.save file written by rank 0; sharded: torch.distributed.checkpoint, one folder in "
         "which each rank writes its own shards (loading reads either, at any world size and layout)",
     )
+    async_save: bool = opt(
+        False,
+        "true (with format=sharded): each checkpoint's state is staged, a copy in memory, and written in the "
+        "background (torch.distributed.checkpoint.async_save) while training goes on; at most one save in flight, "
+        "the next one, a stop and the run's end wait for it",
+    )
     path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
     every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)
     every_minutes: float = opt(0.0, "also checkpoint every N minutes of training (0: off)", ge=0)

@@ -52,6 +52,7 @@ class EpochEnd:
     # a mixture of experts' moe_aux_loss, moe_balance_max, moe_balance_mean (train/steps/experts.py: collective);
     # empty for a dense model
     routing: dict[str, Any] = field(default_factory=dict)
+    stall: float = 0.0  # seconds training was blocked by checkpointing in the epoch so far
 
 
 _F, _I, _S = float, int, str
@@ -181,6 +182,16 @@ FIELDS: tuple[Field, ...] = (
         "undecodable training and validation samples left out in the epoch, all ranks (`data.skip_corrupt=true`; "
         "log.txt names their files); always 0 otherwise, since an undecodable sample then stops the run",
         value=lambda e: e.skipped,
+    ),
+    Field(
+        "checkpoint_stall_s",
+        _F,
+        "seconds training was blocked by checkpointing in the epoch (rank 0's): its checkpoints inside it (checkpoint.every_*) "
+        "and the one at its end; with `checkpoint.async_save=true` only the waits for the save in flight (the next "
+        "save, a stop and the run's end wait for it) and the staging of each save's state, the write itself "
+        "running in the background (the line a checkpoint carries, restored after a crash, counts up to that "
+        "checkpoint)",
+        value=lambda e: round(e.stall, 4),
     ),
     Field(
         "startup_s",

@@ -21,6 +21,7 @@ import torch.nn as nn
 from ddpkit import config as config_mod
 from ddpkit import data
 from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text
+from ddpkit.checkpoint.background import Saves, check_async_save
 from ddpkit.config import Config
 from ddpkit.data.prefetch import DeviceBatches
 from ddpkit.data.text import tokenizer
@@ -30,6 +31,7 @@ from ddpkit.distributed.collectives import (
     gather_object_to,
 )
 from ddpkit.distributed.runtime import DistContext
+from ddpkit.errors import Preempted
 from ddpkit.launcher import startup
 from ddpkit.models import flops
 from ddpkit.parallel.clip import clip_grad_norm_
@@ -74,6 +76,9 @@ class Trainer:
         self.ckpt = CheckpointDir(
             cfg.out_dir, cfg.checkpoint.keep, sharded=cfg.checkpoint.format == "sharded"
         )
+        check_async_save(cfg)
+        # the seconds checkpoints block training; with checkpoint.async_save, the save in flight
+        self.saves = Saves(cfg.checkpoint.async_save, cfg.dist.timeout_s)
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
@@ -165,6 +170,9 @@ class Trainer:
                 val = self.evaluate() if self._eval_due(epoch) else dict.fromkeys(VAL_KEYS)
                 last = self._metrics_row(epoch, train, val, time.perf_counter() - t0)
                 self.checkpoint(last)  # before the metrics line: the checkpoint carries it
+                if not self._more_to_train():
+                    self.saves.wait()  # the run's last save is complete before its last line
+                last["checkpoint_stall_s"] = self.saves.take()  # its epoch's saves, the one at its end too
                 self.log.metrics(last)
                 self.log.info(epoch_line(last, self.cfg.train.epochs, self.task))
                 if self.stop.poll(state.step, force=True).stop:
@@ -244,6 +252,11 @@ class Trainer:
         epoch last.pt only; best.pt too when `row` (the metrics line it carries) is the best so far (the
         highest val_acc1; for a language model the lowest val_loss).
         checkpoint.format=sharded: .dcp folders instead, every rank writing its shards."""
+        with self.saves.blocking():
+            self.saves.wait()  # at most one save in flight: the next one waits for it
+            self._checkpoint(row)
+
+    def _checkpoint(self, row: dict[str, Any] | None) -> None:
         best = row is not None and self.task.improves(row, self.state)
         rest = {
             "scheduler": self.scheduler.state_dict(),
@@ -256,7 +269,8 @@ class Trainer:
         }
         if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
             tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
-            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best)
+            background = self.saves if self.saves.background else None  # staged here, written by its thread
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best, background)
         else:
             model = self.strategy.model_state(self.wrapped)
             full = {
@@ -270,7 +284,8 @@ class Trainer:
                 else:
                     self.ckpt.save_epoch(full, self.state.epoch, best)
         self.stop.checkpointed()
-        barrier()  # nobody reads a checkpoint before it is complete
+        if not self.saves.in_flight:
+            barrier()  # nobody reads a checkpoint before it is complete (a save in flight: its wait)
 
     def _check_inputs(self, source: str | None) -> dict[str, Any] | None:
         """The checks that need the built parts: a first sample decodes, the checkpoint loads and fits."""
@@ -346,6 +361,7 @@ class Trainer:
             "peak_memory": largest_peak_memory(self.device),
             "skipped": data.skipped_in_epoch(self.train_set, self.val_set, epoch, self.log.info),
             "routing": self.runner.routing_fields(),
+            "stall": self.saves.stalled,  # so far: the trainer adds the epoch's own checkpoint once it is saved
         }
         step, world = self.state.step, self.ctx.world_size
         return make_row(
@@ -385,6 +401,13 @@ class Trainer:
     def _closing(self):
         try:
             yield
+            self.saves.wait()
+        except Preempted:
+            self.saves.wait()  # the rerun continues from the checkpoint this stop wrote
+            raise
+        except BaseException:
+            self.saves.abandon()  # a failed run does not wait for its save in flight (a peer may be gone)
+            raise
         finally:
             self.log.close()
             self.run_dir.close()

@@ -117,6 +117,17 @@ class PipelineSteps(StepRunner):
         return self.task.val_fields(sums.tolist())
 
 
+def _split_stages(stages: list, mesh: Any, layout: Layout, family: Any) -> tuple[list, Any]:
+    """Each stage split over its tensor-parallel peers by the family's plan (the parts it holds), and its routed
+    experts over its ep peers; with the experts' meshes (None without dist.ep)."""
+    if layout.tp > 1:
+        stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
+    experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
+    if experts is not None:
+        stages = [apply_expert_parallel(s, experts) for s in stages]
+    return stages, experts
+
+
 def build(
     cfg, ctx, model: nn.Module, *, layout: Layout, mesh: Any, spec: Any, make: Any = None, **step
 ) -> PipelineSteps:
@@ -140,13 +151,7 @@ def build(
         example = (torch.zeros(fixed, spec.in_channels, spec.image_size, spec.image_size, device=ctx.device),)
         splits = family.pp_split(cfg.model.arch, n_stages)
         stages, eval_stages, shared = traced_stages(model, splits, example, ids)
-    if (
-        layout.tp > 1
-    ):  # each stage split over its tensor-parallel peers by the family's plan (the parts it holds)
-        stages = [apply_tensor_parallel(s, mesh["tp"], family=family) for s in stages]
-    experts = expert_meshes(mesh, layout.ep, layout.dp_shard) if layout.ep > 1 else None
-    if experts is not None:  # each stage's routed experts split over its ep peers
-        stages = [apply_expert_parallel(s, experts) for s in stages]
+    stages, experts = _split_stages(stages, mesh, layout, family)
     name, shard = pipeline_strategy(d.strategy, layout), None
     replicated = get_strategy(name).replicates
     for stage in stages if make is not None and replicated else ():

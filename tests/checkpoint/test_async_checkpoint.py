@@ -1,0 +1,231 @@
+"""checkpoint.async_save=true: sharded checkpoints staged at their step and written in the background
+(torch.distributed.checkpoint.async_save).
+
+- A run SIGKILLed at random moments while background saves are in flight, and rerun, ends with the weights of the
+  unbroken run; after every kill the newest complete checkpoint is readable and never older than the one before;
+  a SIGTERM waits for the save in flight and its own, and the checkpoint holds the step it stopped at (one process
+  with torch imported forks each run: tests/checkpoint/test_checkpoint.py's saver).
+- On 2 pooled ranks (fsdp): 3 steps saved in the background at every step, continued by a second run to 6 steps,
+  equal the unbroken one-process run; the checkpoint is complete when fit() returns; every metrics line has its
+  checkpoint_stall_s.
+- `Saves` keeps one save in flight, times the waits and raises a background save's error in the training thread;
+  checkpoint.format=full is refused in one line before anything starts.
+
+Time budget: about 25 s on a quiet 2-core machine (a forking process's start, five short one-process runs forked
+from it, a one-process reference in this process, a 2-rank group of two short runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import GPT_RUN, REPO, cli_env, dist_context, plain, run_group, train_here, wait_for
+from ddpkit.checkpoint import CheckpointDir, load_checkpoint
+from ddpkit.checkpoint.background import Saves, check_async_save
+from ddpkit.checkpoint.sharded import read_model
+from ddpkit.config import load_config
+from ddpkit.errors import UserError
+
+ASYNC = ["checkpoint.format=sharded", "checkpoint.async_save=true", "checkpoint.every_steps=1"]
+RUN = [*GPT_RUN, "train.batch_size=8"]
+
+
+def _assert_close(got: dict, ref: dict) -> None:
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        torch.testing.assert_close(torch.as_tensor(got[k]), ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, gpt_text) -> dict[int, dict[str, torch.Tensor]]:
+    """The one-process runs of RUN with nothing interrupted, to 6 and to 12 steps: {steps: full weights}."""
+    out = {}
+    for steps in (6, 12):
+        run = tmp_path_factory.mktemp(f"unbroken{steps}") / "run"
+        train_here(*RUN, f"train.max_steps={steps}", f"out_dir={run}", f"data.root={gpt_text}")
+        out[steps] = load_checkpoint(run / "checkpoints" / "last.pt")["model"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ in-process
+
+
+def test_async_save_is_for_sharded_checkpoints_and_said_in_one_line():
+    from ddpkit.commands.train import check_inputs
+
+    check_async_save(load_config(None, ["checkpoint.async_save=true", "checkpoint.format=sharded"]))
+    with pytest.raises(UserError) as e:
+        check_inputs(load_config(None, ["checkpoint.async_save=true"]))  # what the command checks first
+    assert e.value.line() == (
+        "checkpoint.async_save=true writes sharded checkpoints, not checkpoint.format=full (add "
+        "checkpoint.format=sharded (each rank writes its shards in the background), or drop async_save)"
+    )
+
+
+def test_saves_keep_one_in_flight_time_its_wait_and_raise_its_error_here():
+    saves, release = Saves(background=True), threading.Event()
+    saves.start(lambda: release.wait(5))
+    with pytest.raises(RuntimeError, match="already in flight"):
+        saves.start(lambda: None)
+    threading.Timer(0.2, release.set).start()
+    saves.wait()  # blocked until the save ended: stall time
+    assert not saves.in_flight and saves.take() >= 0.15 and saves.take() == 0.0
+
+    def fails():
+        raise OSError(28, "No space left on device", "last.dcp")
+
+    saves.start(fails)
+    with pytest.raises(OSError, match="No space left on device"):
+        saves.wait()
+    saves.wait()  # the error is raised once; nothing in flight now
+
+
+def test_a_background_save_is_complete_when_waited_for_and_places_nothing_once_abandoned(tmp_path):
+    ckpts, side = CheckpointDir(tmp_path, sharded=True), {"epoch": 0, "step": 3, "consumed": 24}
+    saves = Saves(background=True)
+    w = torch.arange(6.0)
+    ckpts.save_sharded({"model.w": w}, side, True, False, background=saves)
+    w.add_(100)  # training goes on: the save holds the step's values, staged
+    saves.wait()
+    assert (
+        torch.equal(read_model(ckpts.last)["w"], torch.arange(6.0))
+        and load_checkpoint(ckpts.last)["step"] == 3
+    )
+    saves.abandon()  # a failed run: what is in flight is written into its temporary folder, placed nowhere
+    ckpts.save_sharded({"model.w": w}, {**side, "step": 4}, True, False, background=saves)
+    saves.wait()
+    assert load_checkpoint(ckpts.last)["step"] == 3 and len(list(ckpts.dir.glob(".last.dcp.*.tmp"))) == 1
+
+
+# ----------------------------------------------------------------------------- 2 ranks, in the background
+
+
+def _two_runs(rank: int, world_size: int, out: str, text: str) -> dict:
+    from ddpkit.train.health import Heartbeat
+    from ddpkit.train.trainer import Trainer
+
+    steps = {}
+    for max_steps in (3, 6):  # the second run continues from the first one's last checkpoint
+        keys = [*RUN, "train.batch_size=4", "dist.strategy=fsdp", *ASYNC, f"train.max_steps={max_steps}"]
+        cfg = load_config(None, [*keys, f"out_dir={out}", f"data.root={text}"])
+        with Heartbeat(rank, world_size) as heartbeat:
+            trainer = Trainer(cfg, dist_context(rank, world_size), heartbeat)
+            trainer.fit()
+            # complete when fit() returns: last.dcp holds this run's last step
+            steps[max_steps] = load_checkpoint(f"{out}/checkpoints/last.dcp")["step"]
+            weights = plain(trainer.strategy.model_state(trainer.wrapped))
+    return {"steps": steps, "weights": weights}
+
+
+@pytest.mark.slow
+def test_background_saves_on_two_ranks_resume_exactly(unbroken, gpt_text, tmp_path):
+    out = tmp_path / "run"
+    ranks = run_group(_two_runs, 2, str(out), str(gpt_text), timeout=300)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == {3: 3, 6: 6}
+    _assert_close({k: torch.from_numpy(v) for k, v in ranks[0]["weights"].items()}, unbroken[6])
+    _assert_close(read_model(out / "checkpoints" / "last.dcp"), unbroken[6])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1] and rows[0]["checkpoint_stall_s"] > 0
+    assert not list((out / "checkpoints").glob(".*"))  # no temporary left by a finished run
+
+
+# ------------------------------------------------------------------------- SIGKILL during background saves
+
+# One process imports torch and what a worker needs once (as a launch's fork server does) and forks one run per line it reads: the child writes its pid,
+# runs `ddpkit train`'s Trainer (resuming from the newest complete checkpoint), and the parent writes
+# `ended STATUS MESSAGE` once it is gone (each line one write(2), see test_checkpoint.py's saver).
+FORKER = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import importlib
+from conftest import train_here
+from ddpkit.commands.train import preload
+from ddpkit.config import load_config
+for module in preload(load_config(None, sys.argv[2:])):  # what a launch's fork server imports for its workers
+    importlib.import_module(module)
+for line in sys.stdin:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(1, f"{os.getpid()}\n".encode())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the run's own lines: not into the parent's pipe
+        try:
+            train_here(*sys.argv[2:])
+            code = 0
+        except BaseException as e:
+            os.write(w, str(e).splitlines()[0].encode()[:500])
+            code = 1
+        os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    said = os.read(r, 1000).decode()
+    os.close(r)
+    os.write(1, f"ended {status} {said}\n".encode())
+"""
+
+
+def _newest_step(out) -> int:
+    found = CheckpointDir(out, sharded=True).newest_complete(warn=lambda line: None)
+    return found[1]["step"] if found else 0
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_during_background_saves_then_rerun_equals_unbroken(
+    unbroken, gpt_text, tmp_path
+):
+    out, rng = tmp_path / "run", random.Random(11)
+    args = [*RUN, *ASYNC, "train.max_steps=12", f"out_dir={out}", f"data.root={gpt_text}"]
+    forker = subprocess.Popen(
+        [sys.executable, "-c", FORKER, str(REPO / "tests"), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+
+    def run(kill=None) -> str:
+        """One run: `kill` it (a signal) at a random moment once it has written a checkpoint of its own."""
+        seen = _newest_step(out)
+        forker.stdin.write("go\n")
+        forker.stdin.flush()
+        pid = int(forker.stdout.readline())
+        if kill is not None:
+            wait_for(lambda: _newest_step(out) > seen, timeout=120, proc=forker)
+            time.sleep(rng.uniform(0.0, 0.3))
+            flights.append(any((out / "checkpoints").glob(".last.dcp.*.tmp")))  # a save in flight
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, kill)
+        ended = forker.stdout.readline()
+        step = _newest_step(out)  # the newest complete checkpoint reads, and is never an older one
+        assert step >= seen, (step, seen)
+        return ended
+
+    flights: list[bool] = []
+    try:
+        for _ in range(2):
+            run(signal.SIGKILL)
+        # a stop waits for the save in flight, then writes and waits for its own
+        stopped = run(signal.SIGTERM)
+        at = re.search(r"stopped by SIGTERM at step (\d+)", stopped)
+        assert at and _newest_step(out) == int(at.group(1)), stopped
+        assert run().startswith("ended 0 ")
+    finally:
+        forker.kill()
+        forker.wait()
+    assert sum(flights) >= 2, flights  # most kills came while a background save was being written
+    _assert_close(read_model(out / "checkpoints" / "last.dcp"), unbroken[12])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1]
