@@ -54,15 +54,26 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 def run_streaming(
-    cmd: list[str], env: dict[str, str] | None = None, echo: bool = False, on_line=None
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    echo: bool = False,
+    on_line=None,
+    cwd: Path | None = None,
 ) -> tuple[int, float, list[tuple[float, str]]]:
-    """Run cmd, timestamp every output line (seconds since launch); returns (rc, wall_s, [(t, line)])."""
+    """Run cmd in `cwd` (default: the repository), timestamp every output line (seconds since launch); returns
+    (rc, wall_s, [(t, line)])."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONUNBUFFERED"] = "1"
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        cmd,
+        cwd=cwd or ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     lines: list[tuple[float, str]] = []
     assert proc.stdout is not None
@@ -103,12 +114,14 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_measured(cmd: list[str], what: str, env: dict[str, str] | None = None, echo: bool = False) -> dict:
+def run_measured(
+    cmd: list[str], what: str, env: dict[str, str] | None = None, echo: bool = False, cwd: Path | None = None
+) -> dict:
     """run_streaming(cmd), measured: {"wall_s", "lines", "load1" (before it), "other_cores" (the CPU that
     processes other than it used meanwhile, in cores; None without /proc/stat)}; RunFailed on a non-zero exit."""
     load = os.getloadavg()[0]
     b0, c0 = busy_s(), children_cpu_s()
-    rc, wall, lines = run_streaming(cmd, env=env, echo=echo)
+    rc, wall, lines = run_streaming(cmd, env=env, echo=echo, cwd=cwd)
     b1, c1 = busy_s(), children_cpu_s()
     if rc != 0:
         raise RunFailed(what, rc, "\n".join(line for _, line in lines[-25:]))

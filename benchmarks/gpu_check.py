@@ -9,6 +9,12 @@ against a plain DDP loop (throughput_vs_plain_ddp.py, workers 0 and 4, as RESULT
     python benchmarks/gpu_check.py --out DIR --dry-run   # the commands it would run, nothing run (any machine)
     python benchmarks/gpu_check.py --out DIR --parts paths resnet50
     python benchmarks/gpu_check.py --out DIR --parts workers   # the loader-workers gap (RESULTS 12b), ~2 minutes
+    python benchmarks/gpu_check.py --out DIR --parts llama1b   # a 1B llama, fsdp + bf16, compile off/on, ~6 minutes
+
+`llama1b`: a llama of 1.01B parameters (20 blocks, width 2048, context 2048, batch 8) built on the meta device,
+bf16 by FSDP2's MixedPrecisionPolicy, under `ddpkit train dist.strategy=fsdp` on one GPU with model.compile off
+and on (tokens/s, MFU and peak memory of epoch 2 of 3: epoch 1 holds the compile, the last the evaluation), beside
+the same model in a hand-written FSDP2 loop (llama_fsdp_gpu.py, compile off and on).
 
 Every case is a subprocess; the script reads each run's metrics.jsonl (the comparisons: their own tables) and
 prints one table at the end (case, exit code, wall seconds, final validation figure, training throughput, ratio
@@ -105,6 +111,31 @@ WORKERS: list[tuple[str, dict[str, str], list[str]]] = [
     ("w0_omp1", {"OMP_NUM_THREADS": "1"}, ["train", *SLOW_W4, "data.num_workers=0"]),
 ]
 
+# a llama of 1.01B parameters under fsdp + bf16 on one GPU (part llama1b): 3 epochs of ~23 steps of 8 x 2048 tokens
+LLAMA1B = [
+    "model.arch=llama",
+    "model.n_layer=20",
+    "model.n_embd=2048",
+    "model.n_head=16",
+    "model.dropout=0",
+    "data.dataset=text",
+    "data.block_size=2048",
+    "data.text_bytes=420000",
+    "train.batch_size=8",
+    "train.epochs=3",
+    "train.amp=bf16",
+    "optim.name=adamw",
+    "eval.every=1000",
+    "report.curves=false",
+    "dist.strategy=fsdp",
+    "--nproc-per-node",
+    "1",
+]
+LLAMA1B_CASES = [
+    ("llama1b_fsdp_bf16", ["train", *LLAMA1B]),
+    ("llama1b_fsdp_bf16_compile", ["train", *LLAMA1B, "model.compile=true"]),
+]
+
 BENCH = Path(__file__).resolve().parent
 # The comparisons with hand-written loops: (name, script arguments); each prints its own table.
 COMPARISONS: list[tuple[str, list[str]]] = [
@@ -122,7 +153,23 @@ COMPARISONS: list[tuple[str, list[str]]] = [
         for w in (0, 4)
     ),
 ]
-PARTS = ("comm", "paths", "resnet50", "comparisons", "workers")
+# the hand-written FSDP2 loop of the same llama (one JSON line each)
+LLAMA1B_TORCH = [
+    (
+        f"llama1b_torch{suffix}",
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            str(BENCH / "llama_fsdp_gpu.py"),
+        ]
+        + ["--batch", "8", "--block", "2048", *flag],
+    )
+    for suffix, flag in (("", []), ("_compile", ["--compile"]))
+]
+PARTS = ("comm", "paths", "resnet50", "comparisons", "workers", "llama1b")
 ENV: dict[str, dict[str, str]] = {name: env for name, env, _ in WORKERS}  # a case's own variables
 
 
@@ -131,6 +178,22 @@ def last_metrics(run: Path) -> dict:
     for row in read_jsonl(run / "metrics.jsonl"):
         out.update({k: v for k, v in row.items() if v is not None})
     return out
+
+
+def epoch_two(run: Path) -> dict:
+    """tokens/s, MFU and peak memory of a run's epoch 2 (after the compile of epoch 1, before the last's evaluation)."""
+    rows = [
+        r for r in read_jsonl(run / "metrics.jsonl") if r.get("epoch") == 2 and r.get("train_tokens_per_s")
+    ]
+    if not rows:
+        return {}
+    r = rows[-1]
+    memory = r.get("peak_memory_bytes_per_rank")
+    return {
+        "train_tokens_per_s": r["train_tokens_per_s"],
+        "mfu": r.get("mfu"),
+        "peak_memory_gb": round(memory / 1e9, 2) if memory else None,
+    }
 
 
 def run_case(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
@@ -149,6 +212,8 @@ def run_case(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
         m = last_metrics(run)
         keys = ("val_acc1", "val_loss", "train_images_per_s", "train_tokens_per_s", "epoch_time_s")
         res.update({k: m[k] for k in keys if k in m})
+        if name.startswith("llama1b"):
+            res.update(epoch_two(run))
     return res
 
 
@@ -171,6 +236,11 @@ def planned(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
             out.append((part, name, train_command(name, cargs, args.out / "runs")))
     if "comparisons" in args.parts:
         out += [("comparisons", name, [sys.executable, *cargs]) for name, cargs in COMPARISONS]
+    if "llama1b" in args.parts:
+        out += [
+            ("llama1b", name, train_command(name, cargs, args.out / "runs")) for name, cargs in LLAMA1B_CASES
+        ]
+        out += [("llama1b", name, [sys.executable, *cargs]) for name, cargs in LLAMA1B_TORCH]
     if "workers" in args.parts:
         out += [
             ("workers", name, train_command(name, cargs, args.out / "runs")) for name, _, cargs in WORKERS
@@ -194,6 +264,25 @@ def run_comparison(name: str, cmd: list[str], root: Path, timeout: float) -> dic
     return {"case": name, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "ratio": " / ".join(ratios)}
 
 
+def run_handwritten(name: str, cmd: list[str], root: Path, timeout: float) -> dict:
+    """The hand-written loop's run (llama_fsdp_gpu.py): its exit code, wall time and the JSON line it prints."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = "timeout", "", str(e.stderr or "")
+    (root / f"{name}.log").write_text(f"$ {' '.join(cmd)}\nrc={rc}\n{out}\n{err}")
+    res = {"case": name, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1)}
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if lines:
+        row = json.loads(lines[-1])
+        res.update(
+            train_tokens_per_s=row["tokens_per_s"], mfu=row["mfu"], peak_memory_gb=row["peak_memory_gb"]
+        )
+    return res
+
+
 def summary(results: list[dict]) -> str:
     rows = []
     for r in results:
@@ -201,8 +290,18 @@ def summary(results: list[dict]) -> str:
             continue
         val = r.get("val_acc1", r.get("val_loss", ""))
         speed = r.get("train_images_per_s") or r.get("train_tokens_per_s") or ""
-        rows.append([r["case"], r["rc"], r["wall_s"], val, speed, r.get("ratio", "")])
-    headers = ["case", "exit", "wall s", "final val", "throughput (/s)", "ddpkit / hand-written"]
+        extra = [r.get("mfu", ""), r.get("peak_memory_gb", "")]
+        rows.append([r["case"], r["rc"], r["wall_s"], val, speed, r.get("ratio", ""), *extra])
+    headers = [
+        "case",
+        "exit",
+        "wall s",
+        "final val",
+        "throughput (/s)",
+        "ddpkit / hand-written",
+        "MFU",
+        "peak GB",
+    ]
     return md_table(headers, rows)
 
 
@@ -240,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "comm.log").write_text(proc.stdout + proc.stderr)
             print(proc.stdout[-3000:], proc.stderr[-1500:], flush=True)
             res = {"case": name, "rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1)}
+        elif name.startswith("llama1b_torch"):
+            res = run_handwritten(name, cmd, args.out, max(args.timeout, 300))
         else:
-            res = run_case(name, cmd, args.out / "runs", args.timeout)
+            slow = part == "llama1b"  # 3 epochs of a 1B model, one of them compiling it
+            res = run_case(name, cmd, args.out / "runs", max(args.timeout, 300) if slow else args.timeout)
         results.append(res)
         print(json.dumps(res), flush=True)
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))

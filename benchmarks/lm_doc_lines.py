@@ -13,7 +13,6 @@ in a checkout). The promise measured: each runs on a 2-core CPU machine in under
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
@@ -48,14 +47,10 @@ def run_line(line: str) -> list[object]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "configs").symlink_to(ROOT / "configs")
         cmd = [python(), "-m", "ddpkit", *words[1:]]
-        here = os.getcwd()
-        os.chdir(tmp)
-        try:
-            r = run_measured(cmd, line)
+        try:  # in the empty folder: its runs/ is the line's own, never an earlier line's run to resume
+            r = run_measured(cmd, line, cwd=Path(tmp))
         except RunFailed as e:
             return [f"`{line}`", "-", "-", "-", "-", f"failed (exit {e.rc})"]
-        finally:
-            os.chdir(here)
         rows = [row for m in Path(tmp, "runs").glob("*/metrics.jsonl") for row in read_jsonl(m)]
     val = f"{rows[-1]['val_loss']:.3f}" if rows else "-"
     verdict = "under 5 min" if r["wall_s"] < BUDGET_S else "OVER 5 min"

@@ -16,7 +16,14 @@ OMP_NUM_THREADS=1 and torch.set_num_threads(1) per rank.
 
 Layouts: tp2, fsdp, zero2, pp2 (2 processes); fsdp_tp2 (dp2 x tp2) and dp2_pp2 (4 processes, oversubscribed on 2
 cores); hsdp (4 processes: 2 replicas of 2-rank sharding groups; by hand fully_shard on a 2-D replicate x shard
-mesh) and fsdp_tp2_pp2 (8 processes) only when named with --layouts.
+mesh), fsdp_tp2_pp2 (8 processes) and ep2 (2 processes) only when named with --layouts.
+
+ep2 is expert parallelism: the work is then the Mixtral-shaped llama (model.arch=llama model.n_experts=4
+model.experts_per_token=2, the same width, heads and blocks, every block's MLP 4 routed experts) over 2 ranks,
+each holding 2 experts, under DDP. By hand: the same model class (ddpkit.models.mixtral.model.Mixtral, its router
+and expert SwiGLUs), each rank keeping its slice of the expert tensors as plain parameters, the tokens exchanged
+by an all-to-all written here (the counts by all_to_all_single, the rows by torch's autograd all_to_all_single,
+sorted expert-major by argsort), DDP over the dense parameters and the experts' gradients divided by dp.
 
 What is timed, the same way on both sides: epochs 2 .. E-1 (epoch 1 warms up; ddpkit evaluates after the last),
 each from its start to its loss all-reduce (ddpkit: metrics.jsonl's train_tokens_per_s). The sides run
@@ -56,16 +63,21 @@ LAYOUTS: dict[str, tuple[int, int, int, str]] = {
     "dp2_pp2": (4, 1, 2, "ddp"),
     "fsdp_tp2_pp2": (8, 2, 2, "fsdp"),
     "hsdp": (4, 1, 1, "hsdp"),
+    "ep2": (2, 1, 1, "ddp"),
 }
+EP = {"ep2": 2}  # the expert-parallel degree of an ep layout (its work: the Mixtral-shaped llama)
+N_EXPERTS, TOP_K = 4, 2
 DP_SHARD = 2  # hsdp: ranks per sharding group (2 replicas of 2 on 4 processes)
 SIDES = ("ddpkit", "torch")
 DEFAULT_LAYOUTS = ["tp2", "fsdp", "zero2", "pp2", "fsdp_tp2", "dp2_pp2"]
 
 
-def work_keys(args: argparse.Namespace) -> list[str]:
+def work_keys(args: argparse.Namespace, layout: str = "") -> list[str]:
     """The Config keys of the model and the data, shared by both sides."""
+    experts = [f"model.n_experts={N_EXPERTS}", f"model.experts_per_token={TOP_K}"] if layout in EP else []
     return [
-        "model.arch=gpt",
+        "model.arch=llama" if experts else "model.arch=gpt",
+        *experts,
         f"model.n_layer={args.n_layer}",
         f"model.n_head={args.n_head}",
         f"model.n_embd={args.n_embd}",
@@ -85,7 +97,7 @@ def ddpkit_command(args: argparse.Namespace, layout: str, out: str) -> list[str]
         "-m",
         "ddpkit",
         "train",
-        *work_keys(args),
+        *work_keys(args, layout),
         f"train.batch_size={GLOBAL_BATCH // dp}",
         f"train.epochs={args.epochs}",
         "optim.name=adamw",
@@ -101,6 +113,7 @@ def ddpkit_command(args: argparse.Namespace, layout: str, out: str) -> list[str]
         f"dist.pp={pp}",
         f"dist.strategy={strategy if dp > 1 else 'auto'}",
         *([f"dist.dp_shard={DP_SHARD}"] if strategy == "hsdp" else []),
+        *([f"dist.ep={EP[layout]}"] if layout in EP else []),
         f"out_dir={out}",
         "--nproc-per-node",
         str(nproc),
@@ -139,11 +152,64 @@ def handwritten_plan(module) -> dict:
     return plan
 
 
+class HandExchange:
+    """Expert parallelism's token exchange written with torch.distributed alone (MoE.exchange's interface): this
+    rank's rows sorted by expert go to the ranks holding their experts, come back in the order they left."""
+
+    def __init__(self, group, ep: int):
+        self.group, self.ep = group, ep
+
+    def dispatch(self, x, counts):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        counts = counts.to(torch.int64)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # [source rank, my expert]: rows coming
+        got = got.view(self.ep, -1)
+        send, recv = counts.view(self.ep, -1).sum(1).tolist(), got.sum(1).tolist()
+        rows = all_to_all_single_autograd(x.contiguous(), recv, send, self.group)
+        expert = torch.arange(got.shape[1]).repeat(self.ep).repeat_interleave(got.flatten())
+        order = expert.argsort(stable=True)  # rank-major -> expert-major
+        return rows[order], got.sum(0), (order, send, recv)
+
+    def combine(self, y, ctx):
+        import torch
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        order, send, recv = ctx
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return all_to_all_single_autograd(y[back].contiguous(), send, recv, self.group)
+
+
+def expert_parallel_by_hand(module, group, ep: int, rank: int) -> list:
+    """Each MoE block keeps its rank's n_experts / ep experts (plain parameters) and exchanges over `group`;
+    returns the DDP-ignored names (the experts and the blocks' per-rank counts)."""
+    import torch.nn as nn
+
+    from ddpkit.models.experts import MoE
+
+    ignored = []
+    for prefix, m in module.named_modules():
+        if isinstance(m, MoE):
+            per = m.routing.n_experts // ep
+            for name in ("gate", "up", "down"):
+                mine = getattr(m.experts, name).detach()[rank * per : (rank + 1) * per].clone()
+                setattr(m.experts, name, nn.Parameter(mine))
+                ignored.append(f"{prefix}.experts.{name}")
+            ignored += [f"{prefix}.{b}" for b in MoE.LOCAL_BUFFERS]
+            m.exchange = HandExchange(group, ep)
+    return ignored
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from pp_vs_handwritten import cut_stage, schedule_1f1b
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpkit.config import load_config
     from ddpkit.data import build_datasets
@@ -157,11 +223,22 @@ def worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     stage, dp_rank = rank // (dp * tp), (rank // tp) % dp
 
-    train_set, _, spec = build_datasets(load_config(None, work_keys(args)))
+    cfg = load_config(None, work_keys(args, args.layouts[0]))
+    train_set, _, spec = build_datasets(cfg)
     xs, ys = zip(*(train_set[i] for i in range(len(train_set))), strict=True)
     xs, ys = torch.stack(xs), torch.stack(ys)
     torch.manual_seed(SEED)
-    module = GPT(spec.vocab_size, args.block, args.n_layer, args.n_head, args.n_embd)
+    ep = EP.get(args.layouts[0], 1)
+    if ep > 1:  # the Mixtral-shaped llama of the same keys, its experts split by hand
+        from ddpkit.models import model_family
+
+        family = model_family(cfg.model.arch, cfg.model)
+        module = family.build_lm(cfg.model.arch, spec.vocab_size, args.block, cfg.model)
+        ignored = expert_parallel_by_hand(module, mesh["dp"].get_group(), ep, dp_rank)
+        experts = [p for n, p in module.named_parameters() if ".experts." in n]
+        DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    else:
+        module, experts = GPT(spec.vocab_size, args.block, args.n_layer, args.n_head, args.n_embd), []
     if pp > 1:
         module = cut_stage(module, stage, pp)
     if tp > 1:
@@ -182,8 +259,6 @@ def worker(args: argparse.Namespace) -> None:
             fully_shard(block, **keep)
         fully_shard(module, **keep)
     elif dp > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         module = DDP(module, process_group=mesh["dp"].get_group())
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     schedule = schedule_1f1b(module, stage, pp, 2 * pp, group=mesh["pp"].get_group()) if pp > 1 else None
@@ -200,6 +275,8 @@ def worker(args: argparse.Namespace) -> None:
             if schedule is None:
                 loss = lm_loss(module(x), y)
                 loss.backward()
+                for p in experts:  # each rank's own experts (ep = dp: no other rank holds them): the dp mean
+                    p.grad.div_(dp)
             elif stage == 0:
                 schedule.step(x)
                 loss = None

@@ -117,6 +117,7 @@ RUN = {
 
 # (b) run by another test (a pytest node id): the line, or the same line with tiny data/steps added.
 LM_LOOP = "tests/commands/test_generate.py"
+MOE_HF = "tests/models/test_experts_hf.py"
 COVERED = {
     "ddpkit run --nproc-per-node 2 --straggler-timeout 10 stuck.py": (
         "tests/test_hostile_inputs.py::test_a_stuck_rank_is_named_with_its_stack_and_stacks_can_be_asked_for"
@@ -195,6 +196,11 @@ COVERED = {
     "ddpkit train -c configs/text_gpt.yaml data.dataset=tokens data.root=bins data.tokenizer_file=runs/bpe/tokenizer.json "
     "model.init_from=gpt2-tiny out_dir=runs/tokens": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
     "ddpkit export runs/tokens --to hf runs/tokens-hf": f"{LM_LOOP}::test_token_files_train_from_a_gpt2_folder_and_export_back_to_transformers",
+    "ddpkit train -c configs/text_llama.yaml data.dataset=tokens data.root=bins model.init_from=mixtral-tiny "
+    "dist.ep=2 out_dir=runs/moe --nproc-per-node 2": f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back",
+    "ddpkit export runs/moe --to hf runs/moe-hf": (
+        f"{MOE_HF}::test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_back"
+    ),
     "ddpkit info dist.tp=2 --nproc-per-node 2": "tests/launcher/test_launch.py::test_info_nproc_per_node_uses_the_elastic_launcher",
     # docs/parallelism.md's 3-D lines: the layout on 8 processes with the tiny transformer, compared with one process
     # (test_every_language_model_line_takes_the_language_model_recipe checks the line's recipe)
@@ -207,6 +213,20 @@ COVERED = {
     "--nproc-per-node 8 --oversubscribe": (
         "tests/models/test_llama.py::"
         "test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process[fsdp]"
+    ),
+    # docs/parallelism.md's expert-parallel lines, the same layouts on the tiny mixture of experts
+    **dict.fromkeys(
+        (
+            "ddpkit train -c configs/text_llama.yaml model.n_experts=4 model.experts_per_token=2 dist.ep=2 "
+            "--nproc-per-node 2",
+            *(
+                f"ddpkit train -c configs/text_llama.yaml model.n_experts=4 dist.ep=2 {layout} --nproc-per-node 4 "
+                "--oversubscribe"
+                for layout in ("dist.strategy=fsdp", "dist.tp=2", "dist.pp=2")
+            ),
+        ),
+        "tests/parallel/test_experts.py::"
+        "test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts",
     ),
 }
 

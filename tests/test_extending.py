@@ -347,7 +347,7 @@ def test_a_family_from_another_package_declares_its_own_config_keys(tmp_path, mo
             in (describe_keys())
         )
         # ddpkit's own families and methods declare theirs the same way, each under its name
-        assert "### `model.arch=gpt, llama, mixtral, qwen2, qwen3, mistral`:" in describe_keys()
+        assert "### `model.arch=gpt, llama, mixtral, qwen2, qwen3, mistral, qwen3_moe`:" in describe_keys()
         assert "### `dist.grad_compression=powersgd`:" in describe_keys()
         assert Compression.from_config(load_config(None, ["dist.powersgd_rank=2"]).dist).powersgd_rank == 2
         # a compression method from the package declares its keys the same way (named by dist.grad_compression)

@@ -93,3 +93,25 @@ def test_a_part_can_be_chosen(tmp_path):
     assert [ln.split(":")[0] for ln in lines] == ["resnet50 resnet50_224_bf16_cl"]
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(tmp_path), "--parts", "nothing"])
+
+
+def test_the_llama1b_part_runs_ddpkit_and_the_handwritten_loop_on_the_same_1b_model(tmp_path):
+    import json
+    import subprocess
+
+    lines = dry_run(gpu_check.main, "--out", str(tmp_path), "--dry-run", "--parts", "llama1b")
+    by_name = {ln.split(":", 1)[0].split()[1]: shlex.split(ln.split(": ", 1)[1]) for ln in lines}
+    assert sorted(by_name) == [
+        "llama1b_fsdp_bf16",
+        "llama1b_fsdp_bf16_compile",
+        "llama1b_torch",
+        "llama1b_torch_compile",
+    ]
+    for name in ("llama1b_fsdp_bf16", "llama1b_fsdp_bf16_compile"):
+        check_train_config(by_name[name])
+        assert {"dist.strategy=fsdp", "train.amp=bf16"} <= set(by_name[name])
+    assert "model.compile=true" in by_name["llama1b_fsdp_bf16_compile"]
+    assert "--compile" in by_name["llama1b_torch_compile"] and "--compile" not in by_name["llama1b_torch"]
+    script = next(w for w in by_name["llama1b_torch"] if w.endswith("llama_fsdp_gpu.py"))
+    out = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, check=True)
+    assert 0.95e9 < json.loads(out.stdout)["params"] < 1.1e9  # about 1B parameters, on the meta device

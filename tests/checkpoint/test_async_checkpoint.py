@@ -70,7 +70,7 @@ def test_async_save_is_for_sharded_checkpoints_and_said_in_one_line():
         check_inputs(load_config(None, ["checkpoint.async_save=true"]))  # what the command checks first
     assert e.value.line() == (
         "checkpoint.async_save=true writes sharded checkpoints, not checkpoint.format=full (add "
-        "checkpoint.format=sharded, whose shards each rank writes in the background, or drop checkpoint.async_save)"
+        "checkpoint.format=sharded (each rank writes its shards in the background), or drop async_save)"
     )
 
 

@@ -343,7 +343,8 @@ import helper  # beside the script's real file, not beside the symlink it is rea
 rank = os.environ["RANK"]
 record = {"argv0": sys.argv[0], "file": __file__, "path0": sys.path[0], "helper": helper.__file__,
           "stdin": sys.stdin.read() if rank == "0" else None, "faulthandler": faulthandler.is_enabled(),
-          "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read()}
+          "forked": b"forkserver" in open(f"/proc/{os.getppid()}/cmdline", "rb").read(),
+          "own_session": os.getsid(0) == os.getpid()}
 with open(os.path.join(os.environ["PROBE_DIR"], rank + ".json"), "w") as fh:
     json.dump(record, fh)
 """
@@ -389,7 +390,8 @@ def under_each_launcher(tmp_path: Path, nproc: int, script: str) -> dict[str, di
 @pytest.mark.slow
 def test_argv0_the_path_and_stdin_are_those_python_gives_under_torchrun_warm_and_cold(tmp_path):
     # Before: under ddpkit run sys.argv[0] was made absolute, sys.path[0] was the symlink's folder (the import
-    # beside the real file failed: exit 1), a warm worker's stdin was /dev/null and faulthandler was enabled.
+    # beside the real file failed: exit 1), a warm worker's stdin was /dev/null and faulthandler was enabled,
+    # and the warm workers shared the launcher's session (one CPU share for all of them under load).
     (tmp_path / "real").mkdir()
     (tmp_path / "real" / "probe.py").write_text(AS_PYTHON)
     (tmp_path / "real" / "helper.py").write_text("")
@@ -409,6 +411,7 @@ def test_argv0_the_path_and_stdin_are_those_python_gives_under_torchrun_warm_and
         "helper": str(tmp_path / "real" / "helper.py"),
         "stdin": "hello\n",
         "faulthandler": False,
+        "own_session": True,  # a session of its own, as torch's agent starts each worker
     }
 
 

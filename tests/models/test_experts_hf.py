@@ -141,3 +141,59 @@ def test_init_from_a_mixtral_folder_under_ep_trains_as_one_process_and_exports_b
     )
     bad = cli_in_process(capsys, "train", f"out_dir={tmp_path / 'bad'}", *RUN, *run, "model.n_experts=8")
     assert_user_error(bad, "model.n_experts=8", "model.init_from")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A tiny transformers Qwen3-MoE (4 experts, top-2, weights not renormalized): block 0 a dense SwiGLU, block 1
+    of experts (decoder_sparse_step=2), the heads' q and k norms, heads of 16 (not hidden_size / heads = 8)."""
+    path = tmp_path_factory.mktemp("qwen3_moe") / "hf"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        **TINY, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=2, norm_topk_prob=False, head_dim=16,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1, so that reading them matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_qwen3_moe_folder_reads_trains_and_writes_with_transformers_logits(qwen3_moe, tmp_path):
+    import ddpkit
+    from ddpkit.models import family_of_module
+    from ddpkit.models.hf import export
+
+    theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(qwen3_moe).eval()
+    model = ddpkit.load_model(qwen3_moe)
+    assert type(model).__name__ == "Qwen3Moe" and model.moe_every == 2 and not model.moe_norm_topk
+    assert model.head_dim == 16
+    assert tuple(model.blocks["1"].mlp.experts.down.shape) == (4, 32, 24)
+    x = torch.randint(0, 64, (2, 12))
+    want = _logits(theirs, x)
+    torch.testing.assert_close(_logits(model, x), want, rtol=1e-4, atol=1e-5)
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        export(model, tmp_path / "back", family_of_module(model))
+    )
+    torch.testing.assert_close(_logits(back.eval(), x), want, rtol=1e-4, atol=1e-5)
+    # model.init_from: the folder's keys and weights, 2 steps in this process, exported back for transformers
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 64, 400, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    run = tmp_path / "run"
+    train_here(
+        *RUN[1:],
+        f"out_dir={run}",
+        f"model.init_from={qwen3_moe}",
+        f"data.root={tmp_path}",
+        "train.batch_size=8",
+    )
+    trained = ddpkit.load_model(run)
+    assert type(trained).__name__ == "Qwen3Moe"
+    assert not torch.equal(trained.blocks["1"].mlp.experts.gate, model.blocks["1"].mlp.experts.gate)
+    out = export(trained, tmp_path / "trained", family_of_module(trained))
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(again, x), _logits(trained, x), rtol=1e-4, atol=1e-5)

@@ -52,7 +52,7 @@ def test_what_the_command_line_asks_of_a_family_imports_no_torch():
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the Llama preloads nothing more (not torchvision, as a list of names once had it)
     assert proc.stdout.strip() == (
-        "([], ['torchvision'], ['timm'], ['gpt', 'llama', 'mixtral', 'qwen2', 'qwen3', 'mistral'], True, None)"
+        "([], ['torchvision'], ['timm'], ['gpt', 'llama', 'mixtral', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe'], True, None)"
     )
 
 

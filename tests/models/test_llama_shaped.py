@@ -219,3 +219,23 @@ def test_each_family_from_its_folder_under_fsdp_x_tp2_and_fsdp_x_pp2_equals_one_
         back = transformers.AutoModelForCausalLM.from_pretrained(runs / f"{name}-back").eval()
         with torch.no_grad():
             assert (back(x).logits - ddpkit.load_model(one)(x)).abs().max() < 1e-4, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", *HF])
+def test_model_head_dim_reaches_every_llama_shaped_familys_model(arch):
+    """model.head_dim is one of the Llama's keys: every family that takes them builds heads of that width (a
+    builder that dropped it would build n_embd / n_head and read a folder's wider heads into the wrong shapes)."""
+    from ddpkit.config import load_config
+    from ddpkit.models import model_family
+
+    experts = ["model.n_experts=2"] if arch == "mixtral" else []
+    keys = ["model.n_layer=1", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=16", "model.head_dim=8"]
+    cfg = load_config(None, [f"model.arch={arch}", "data.dataset=text", *keys, *experts])
+    model = model_family(arch).build_lm(arch, 19, 8, cfg.model)
+    attn = model.blocks["0"].attn
+    assert (attn.wq.weight.shape, attn.wk.weight.shape, attn.wo.weight.shape) == (
+        (32, 16),
+        (16, 16),
+        (16, 32),
+    )
+    assert model(torch.randint(0, 19, (1, 8))).shape == (1, 8, 19)

@@ -32,8 +32,7 @@ def check_async_save(cfg: Any) -> None:
     if ck.async_save and ck.format != "sharded":
         raise UserError(
             f"checkpoint.async_save=true writes sharded checkpoints, not checkpoint.format={ck.format}",
-            "add checkpoint.format=sharded, whose shards each rank writes in the background, or drop "
-            "checkpoint.async_save",
+            "add checkpoint.format=sharded (each rank writes its shards in the background), or drop async_save",
         )
 
 

@@ -189,6 +189,10 @@ def worker(fn: Callable[[list[str]], Any], argv: list[str], environ: dict[str, s
     """In a forked worker: become `python -u -m ddpkit ARGV` as the agent would have started it, run fn(argv)."""
     warm_server = sys.modules[SERVER]  # the fork server imported it first (its preload); never imported here
 
+    # Its own session, as torch's agent starts a worker program (and torchrun each worker): the scheduler's
+    # autogroups then share the CPU per worker, not one share for all the launcher's forks under load.
+    with contextlib.suppress(OSError):
+        os.setsid()
     channels.FLAGS.forked_worker = True
     stdin.install()
     agent = {k: v for k, v in os.environ.items() if warm_server.BASE_ENV.get(k) != v}

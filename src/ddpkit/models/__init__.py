@@ -55,7 +55,10 @@ __all__ = [
 ENTRY_POINT_GROUP = "ddpkit.models"
 # The built-in families, one folder each (keys.py: its card, torch-free; model.py: its family), in the order the
 # config reference lists them. Adding one is a folder and its name here.
-FAMILY_FOLDERS = ("small", "gpt", "llama", "mixtral", "qwen2", "qwen3", "mistral", "timm", "torchvision")
+FAMILY_FOLDERS = (
+    *("small", "gpt", "llama", "mixtral", "qwen2", "qwen3", "mistral", "qwen3_moe"),
+    *("timm", "torchvision"),
+)
 CARDS: tuple[FamilyCard, ...] = tuple(
     importlib.import_module(f"{__name__}.{folder}.keys").CARD for folder in FAMILY_FOLDERS
 )

@@ -129,7 +129,7 @@ def active_flops(model: nn.Module, block_size: int) -> int | None:
 def estimate(m: Any, block_size: int, batch: int) -> tuple[int, int]:
     """(parameters, activation bytes) before building (ModelFamily.estimate): the attention's projections, the
     dense SwiGLUs, each MoE block's experts, shared experts and router, the norms."""
-    head = m.n_embd // max(1, m.n_head)
+    head = m.head_dim or m.n_embd // max(1, m.n_head)
     q, kv = m.n_head * head, (m.n_kv_head or m.n_head) * head
     dense = swiglu_width(m.n_embd, m.ffn_hidden)
     width = expert_width(m, dense)

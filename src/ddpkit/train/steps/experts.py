@@ -58,8 +58,13 @@ class ExpertSteps:
 
     @torch.no_grad()
     def _balance(self) -> None:
-        """The step's tokens per expert over the data-parallel ranks; the bias update where it balances."""
+        """The step's tokens per expert over the data-parallel ranks; the bias update where it balances (no
+        collective without it: model.moe_balance is the same on every rank)."""
         if not self.layers:
+            return
+        if all(m.router.expert_bias is None for m in self.layers.values()):
+            for moe in self.layers.values():
+                moe.step_tokens.zero_()
             return
         tokens = torch.stack([m.step_tokens for m in self.layers.values()])
         if _grouped():
