@@ -162,6 +162,7 @@ def test_a_model_family_is_one_registry_entry(request):
         "gpt",
         "llama",
         "mixtral",
+        "qwen3_moe",
         "qwen2",
         "qwen3",
         "mistral",

@@ -64,10 +64,10 @@ def _assert_close(got: dict, ref: dict) -> None:
 def test_hsdp_coordinates_split_the_data_parallel_dim_into_replicas_of_sharding_groups():
     layout = layout_of(8, tp=2, dp_shard=2)  # dp=4: 2 replicas x 2 shards, tensor peers next to each other
     assert [layout.coords(r) for r in (0, 2, 5, 7)] == [
-        {"pp": 0, "dp": 0, "tp": 0, "dp_replicate": 0, "dp_shard": 0},
-        {"pp": 0, "dp": 1, "tp": 0, "dp_replicate": 0, "dp_shard": 1},
-        {"pp": 0, "dp": 2, "tp": 1, "dp_replicate": 1, "dp_shard": 0},
-        {"pp": 0, "dp": 3, "tp": 1, "dp_replicate": 1, "dp_shard": 1},
+        {"pp": 0, "dp": 0, "tp": 0, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "edp": 0},
+        {"pp": 0, "dp": 1, "tp": 0, "dp_replicate": 0, "dp_shard": 1, "ep": 0, "edp": 1},
+        {"pp": 0, "dp": 2, "tp": 1, "dp_replicate": 1, "dp_shard": 0, "ep": 0, "edp": 2},
+        {"pp": 0, "dp": 3, "tp": 1, "dp_replicate": 1, "dp_shard": 1, "ep": 0, "edp": 3},
     ]
     assert layout.describe(7) == "dp_replicate=1 dp_shard=1 dp=3 tp=1 pp=0"  # what `ddpkit info` prints
     assert Layout(dp=2, tp=2, pp=2).describe(5) == "dp_replicate=0 dp_shard=0 dp=0 tp=1 pp=1"

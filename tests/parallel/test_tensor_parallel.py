@@ -18,11 +18,11 @@ def test_layout_coordinates_put_tensor_peers_next_to_each_other():
     layout = Layout(dp=2, tp=2, pp=2)
     assert layout.world_size == 8
     assert [layout.coords(r) for r in (0, 1, 2, 5, 7)] == [
-        {"pp": 0, "dp": 0, "tp": 0, "dp_replicate": 0, "dp_shard": 0},
-        {"pp": 0, "dp": 0, "tp": 1, "dp_replicate": 0, "dp_shard": 0},
-        {"pp": 0, "dp": 1, "tp": 0, "dp_replicate": 0, "dp_shard": 1},
-        {"pp": 1, "dp": 0, "tp": 1, "dp_replicate": 0, "dp_shard": 0},
-        {"pp": 1, "dp": 1, "tp": 1, "dp_replicate": 0, "dp_shard": 1},
+        {"pp": 0, "dp": 0, "tp": 0, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "edp": 0},
+        {"pp": 0, "dp": 0, "tp": 1, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "edp": 0},
+        {"pp": 0, "dp": 1, "tp": 0, "dp_replicate": 0, "dp_shard": 1, "ep": 0, "edp": 1},
+        {"pp": 1, "dp": 0, "tp": 1, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "edp": 0},
+        {"pp": 1, "dp": 1, "tp": 1, "dp_replicate": 0, "dp_shard": 1, "ep": 0, "edp": 1},
     ]
     # one counting rank per dp replica: tensor rank 0 of the last stage
     assert [r for r in range(8) if layout.counts(r)] == [4, 6]

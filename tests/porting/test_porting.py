@@ -202,7 +202,7 @@ def _scheduler_before_zero1():
 @pytest.mark.slow
 def test_a_scheduler_made_before_a_rebuilt_optimizer_is_refused():
     for message in ddpkit.launch(_scheduler_before_zero1, nprocs=2):
-        assert "create the LR scheduler after prepare()" in message
+        assert "create the scheduler after prepare()" in message
 
 
 # ---------------------------------------------------------------------------------------------- launch
