@@ -113,6 +113,26 @@ def test_prepare_makes_a_users_model_on_the_meta_device_as_its_cpu_build():
         ddpkit.prepare(lambda: 3)
 
 
+def test_a_mesh_on_the_next_process_group_is_not_answered_with_the_destroyed_groups_mesh(tmp_path):
+    """DTensor caches its sharding plans by mesh, and a DeviceMesh equals any other of its shape whatever its
+    groups: after runtime.shutdown() an op on the next group's mesh came back on the destroyed group's mesh, whose
+    group names are gone or name other groups (the layouts' gathering below then failed on pooled ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ddpkit.distributed import runtime
+
+    for i in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv{i}", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+            made = (distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2).device_mesh
+        finally:
+            runtime.shutdown()
+        assert made is mesh, i
+
+
 # ---------------------------------------------------------------------------------- 4 pooled ranks: layouts
 
 LAYOUTS = {  # name: the settings of 4 processes

@@ -251,10 +251,37 @@ def shutdown() -> None:
             dist.destroy_process_group()
         except Exception:  # teardown after a failure must not mask the failure
             pass
+    forget_meshes()
     if _RDZV is not None:
         rendezvous.leave(*_RDZV)
         _RDZV = None
     _CONTEXT = None
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans, which hold the DeviceMesh they were made on.
+
+    A DeviceMesh equals any other of the same shape, ranks and dim names, whatever its process groups, so after
+    the group is destroyed a mesh built on the next group in this process (a second run in one process, a pooled
+    test rank) was answered from them with the old mesh, whose group names are gone or now name other groups:
+    gathering a sharded parameter then failed ("Could not resolve the process group") or all-gathered over a
+    group of another size (placement_types' `orig_size >= logical_dim_size` check)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's own
+    if native is not None:
+        native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
 
 
 # How long the exit waits, with the GIL released, for gloo's worker threads to drop finished work.
