@@ -228,6 +228,10 @@ COVERED = {
         "tests/parallel/test_experts.py::"
         "test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts",
     ),
+    "ddpkit train -c configs/text_llama.yaml model.n_experts=4 dist.ep=2 dist.pp=2 dist.strategy=fsdp "
+    "dist.pp_microbatches=2 train.max_steps=100 --nproc-per-node 8 --oversubscribe": (
+        "tests/parallel/test_experts.py::test_ep2_x_pp2_x_fsdp_on_8_processes_equals_one_process"
+    ),
 }
 
 # (c) needs what this machine (2 CPU cores, no GPU, one host, no cluster services, no internet) lacks.

@@ -287,6 +287,29 @@ def _two(rank: int, world_size: int, root: str, text: str) -> dict:
     }  # fmt: skip
 
 
+def _eight(rank: int, world_size: int, root: str, text: str) -> dict:
+    # fsdp over dp=4 (ep=2 of them) x pp=2: 2 samples per data-parallel rank and step, 8 per step, 2 micro-batches
+    settings = (
+        "dist.ep=2",
+        "dist.pp=2",
+        "dist.strategy=fsdp",
+        "dist.pp_microbatches=2",
+        "train.batch_size=2",
+    )
+    return _fit(
+        rank, world_size, f"out_dir={root}/ep2-pp2-fsdp", f"data.root={text}", "train.max_steps=3", *settings
+    )
+
+
+@pytest.mark.slow
+def test_ep2_x_pp2_x_fsdp_on_8_processes_equals_one_process(reference, gpt_text, tmp_path):
+    """docs/parallelism.md's 8-process line: the experts split over ep inside fsdp's data-parallel ranks, the
+    blocks over two pipeline stages."""
+    _assert_close(
+        run_group(_eight, 8, str(tmp_path), str(gpt_text), timeout=400, fresh=True)[0], reference[0]
+    )
+
+
 @pytest.mark.slow
 def test_every_layout_of_ep_equals_one_process_and_its_checkpoints_load_into_other_layouts(
     reference, deep_reference, bias_reference, gpt_text, tmp_path, capsys
