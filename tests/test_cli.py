@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from ddpkit import cli
-from ddpkit.errors import Preempted, TrainingFailure, UserError, WorkerFailure
+from ddpkit.diagnostics import stacks
+from ddpkit.errors import CollectiveFailure, Preempted, TrainingFailure, UserError, WorkerFailure
 from ddpkit.launcher.launch import _failure
 
 PREEMPTED = "stopped by SIGTERM after epoch 2; rerun the same command to continue"
@@ -77,6 +80,38 @@ def test_the_rank_that_died_is_named_before_the_ranks_that_gave_up_waiting_for_i
     # no rank died: the first rank that gave up says which one stopped responding
     stalled = {0: "rank 0 gave up on a collective at step 8 (timed out); stopped responding: rank 1"}
     assert str(_failure({0: 1, 1: -15}, 0, ended_by_us=frozenset({1}), gave_up=stalled)) == stalled[0]
+
+
+def test_the_line_of_a_rank_that_gave_up_is_said_by_its_launcher_with_one_prefix(monkeypatch, capsys):
+    # On a node where no rank died (the peer it waited for is on another node), the launcher's one line is the
+    # line its rank left: it printed "ddpkit: error: ddpkit: error: rank 0 gave up ..." (the prefix twice).
+    gave_up = "rank 0 gave up on a collective at step 10 (timed out); stopped responding: rank 1 on nodeb"
+    watch = stacks.Watch()
+    try:
+        monkeypatch.setitem(stacks._ARMED, "job", str(watch.job))
+        monkeypatch.setitem(stacks._ARMED, "rank", 0)
+
+        def worker(argv):
+            raise CollectiveFailure(gave_up)
+
+        monkeypatch.setattr(cli, "run", worker)
+        with pytest.raises(SystemExit):
+            cli.main(["train"])
+        assert capsys.readouterr().err == ""  # the worker leaves its line to its launcher
+        monkeypatch.delitem(stacks._ARMED, "job")
+        watch.read_errors()
+        ended = stacks.job_failure(_failure({0: 1}, 0, gave_up=watch.gave_up), watch)
+
+        def launcher(argv):
+            raise ended
+
+        monkeypatch.setattr(cli, "run", launcher)
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["train"])
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == f"ddpkit: error: {gave_up}\n"
+    finally:
+        shutil.rmtree(watch.job, ignore_errors=True)
 
 
 def test_a_command_that_succeeds_exits_0(capsys):

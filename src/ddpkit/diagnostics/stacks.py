@@ -323,8 +323,10 @@ class Watch:
             ):
                 with contextlib.suppress(OSError):
                     line = path.read_text(encoding="utf-8", errors="replace").strip()
-                    if kind == "comm" and line:
-                        self.gave_up[int(re.sub(r"\D", "", path.name))] = line
+                    if (
+                        kind == "comm" and line
+                    ):  # the worker left its whole line; the launcher adds its own prefix
+                        self.gave_up[int(re.sub(r"\D", "", path.name))] = line.removeprefix(Failure.prefix)
                     elif line and line not in self.errors:
                         self.errors.append(line)
         return self.errors
