@@ -254,7 +254,9 @@ def test_no_rank_holds_the_whole_model_while_building(text, tmp_path):
     got = run_group(_peak_while_building, 4, base, fresh=True)
     model_bytes = got[0][1]
     assert model_bytes > 40e6
-    # each rank holds a quarter of the weights (plus one module's tensors while the draws are replayed);
-    # building the whole model first, as before, raised every rank's peak by more than the model's bytes
+    # each rank holds a quarter of the weights (plus one module's tensors while the draws are replayed): 0.30-0.46
+    # of the model measured, up to 0.62 on rank 0 with the machine at load 30 (the allocator's and the process
+    # group's own growth on a 44 MB model); building the whole model first, as before, raised every rank's peak
+    # by more than the model's bytes
     for added, _ in got:
-        assert added < 0.5 * model_bytes, [a / model_bytes for a, _ in got]
+        assert added < 0.75 * model_bytes, [a / model_bytes for a, _ in got]
