@@ -27,8 +27,13 @@ def qwen2_tensors(m: Any) -> dict[str, HFTensor]:
 
 
 def qwen2_extra(m: Any) -> dict[str, Any]:
+    return full_attention_extra("Qwen2ForCausalLM", m)
+
+
+def full_attention_extra(architecture: str, m: Any) -> dict[str, Any]:
+    """config.json's values of a Qwen-style model whose every layer attends to the whole context."""
     return {
-        "architectures": ["Qwen2ForCausalLM"],
+        "architectures": [architecture],
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default"},
         "use_sliding_window": False,

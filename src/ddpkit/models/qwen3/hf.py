@@ -9,6 +9,7 @@ from typing import Any
 
 from ddpkit.models.family import HFConverter, HFFixed, HFKey, HFTensor
 from ddpkit.models.llama.hf import KEYS, ROPE_FIXED, full_attention_check, llama_ignored, llama_tensors
+from ddpkit.models.qwen2.hf import full_attention_extra
 
 # Qwen3Config's head_dim is 128 unless config.json says otherwise (not hidden_size / num_attention_heads)
 QWEN3_KEYS = tuple(HFKey(k.key, k.name, default=128) if k.key == "model.head_dim" else k for k in KEYS)
@@ -30,16 +31,7 @@ def qwen3_tensors(m: Any) -> dict[str, HFTensor]:
 
 
 def qwen3_extra(m: Any) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default"},
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": m.n_layer,
-        "layer_types": ["full_attention"] * m.n_layer,
-    }
+    return {**full_attention_extra("Qwen3ForCausalLM", m), "attention_bias": False}
 
 
 CONVERTER = HFConverter(
