@@ -228,6 +228,7 @@ def test_the_same_file_rendezvous_runs_twice_and_a_stale_file_is_named(tmp_path)
     code = (
         "import os, sys, ddpkit\n"
         "ddpkit.init_distributed(init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)\n"
+        "ddpkit.barrier()\n"  # both ends connected: an exit before would fail the other's connect
         "os._exit(0)\n"
     )
     crashed = [

@@ -377,6 +377,22 @@ def test_helpers_refuse_one_process_when_a_launcher_says_several(monkeypatch, va
     assert ddpkit.get_rank() == 0 and len(ddpkit.distributed_loader(Indexed(8), 2)) == 4
 
 
+def test_helpers_refuse_one_process_after_a_one_process_group_ended(monkeypatch):
+    # A script (or an earlier test in this process) that made and shut down a one-process group does not
+    # answer a launcher that says two: the helpers still refuse instead of answering rank 0 of 1.
+    from ddpkit.distributed import collectives
+
+    monkeypatch.setattr(collectives._Ended, "rank_world", None)
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    ddpkit.shutdown()
+    assert collectives._Ended.rank_world == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for call in (ddpkit.get_rank, ddpkit.get_world_size, lambda: ddpkit.distributed_loader(Indexed(8), 2)):
+        with pytest.raises(UserError, match="WORLD_SIZE=2 .* no process group"):
+            call()
+
+
 # ---------------------------------------------------------------------------------------------- the scripts
 
 

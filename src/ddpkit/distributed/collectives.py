@@ -43,6 +43,15 @@ def group_ended(rank: int, world_size: int) -> None:
     _Ended.rank_world = (rank, world_size)
 
 
+def _ended() -> tuple[int, int] | None:
+    """Who this process was in the group shutdown() destroyed. A one-process group that ended does not
+    answer a launcher that says this process is one of several: that still needs a group."""
+    ended = _Ended.rank_world
+    if ended is not None and ended[1] == 1:
+        _no_group()
+    return ended
+
+
 def _no_group() -> None:
     launched = launched_world()
     if launched is not None:
@@ -71,8 +80,9 @@ def get_rank() -> int:
     """This process's rank (0 in a single process; the last rank after shutdown())."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    if _Ended.rank_world is not None:
-        return _Ended.rank_world[0]
+    ended = _ended()
+    if ended is not None:
+        return ended[0]
     _no_group()
     return 0
 
@@ -81,8 +91,9 @@ def get_world_size() -> int:
     """The number of processes (1 in a single process; the last world size after shutdown())."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    if _Ended.rank_world is not None:
-        return _Ended.rank_world[1]
+    ended = _ended()
+    if ended is not None:
+        return ended[1]
     _no_group()
     return 1
 
