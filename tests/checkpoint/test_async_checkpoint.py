@@ -133,6 +133,24 @@ def test_a_background_save_is_complete_when_waited_for_and_places_nothing_once_a
     assert load_checkpoint(ckpts.last)["step"] == 3 and len(list(ckpts.dir.glob(".last.dcp.*.tmp"))) == 1
 
 
+def test_host_copies_are_made_once_and_hold_each_save_apart_from_later_changes():
+    from ddpkit.checkpoint.host_copies import HostCopies
+
+    stager, w, step = HostCopies(), torch.arange(4.0), torch.tensor(3.0)
+    first = stager.stage({"w": w, "step": step}).result()
+    assert torch.equal(first["w"], torch.arange(4.0)) and first["step"].item() == 3.0
+    assert first["w"].data_ptr() != w.data_ptr()
+    w.add_(1)
+    again = stager.stage({"w": w, "step": step}).result()  # the same memory, this save's values
+    assert again["w"].data_ptr() == first["w"].data_ptr() and torch.equal(again["w"], torch.arange(1.0, 5.0))
+    w.add_(1)  # training goes on after staging: the copies keep the save's values
+    assert torch.equal(again["w"], torch.arange(1.0, 5.0))
+    assert torch.equal(
+        stager.stage({"w": torch.ones(6)}).result()["w"], torch.ones(6)
+    )  # new shapes: new copies
+    stager.close()
+
+
 def _folder_tensors(path, into) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -143,7 +161,7 @@ def _folder_tensors(path, into) -> dict[str, torch.Tensor]:
 def test_a_save_staged_while_the_next_steps_run_equals_the_blocking_save_bit_for_bit(tmp_path, monkeypatch):
     """The stager made slow: the next epoch's forward passes (which change batch norm's running statistics) and
     its optimizer steps come while epoch 1's save is being staged, and that save holds epoch 1's state exactly."""
-    from torch.distributed.checkpoint.staging import DefaultStager
+    from ddpkit.checkpoint.host_copies import HostCopies
 
     run = [
         "model.arch=cnn", "data.dataset=synthetic", "data.synthetic_size=64", "data.synthetic_val_size=16",
@@ -151,10 +169,8 @@ def test_a_save_staged_while_the_next_steps_run_equals_the_blocking_save_bit_for
         "checkpoint.format=sharded", "report.curves=false",
     ]  # fmt: skip
     train_here(*run, f"out_dir={tmp_path / 'blocking'}")
-    stage = DefaultStager._stage
-    monkeypatch.setattr(
-        DefaultStager, "_stage", lambda self, sd, **kw: time.sleep(0.5) or stage(self, sd, **kw)
-    )
+    stage = HostCopies._stage
+    monkeypatch.setattr(HostCopies, "_stage", lambda self, sd: time.sleep(0.5) or stage(self, sd))
     train_here(*run, "checkpoint.async_save=true", f"out_dir={tmp_path / 'async'}")
     for epoch in ("epoch_0001.dcp", "epoch_0002.dcp"):
         ref, got = (

@@ -6,8 +6,8 @@ background.
 (sharded.write_in_background: torch.distributed.checkpoint.async_save) returns once the state that training
 changes before its next optimizer step is copied (state.pt's entries, serialized; buffers such as batch norm's
 running statistics, which a forward pass changes); the parameters and the optimizer's state, which only the
-optimizer step changes, are staged by one torch DefaultStager kept for the run (its copies are made once and
-reused by every save, and freed by close()) in a thread of its own while the next forward and backward run, and
+optimizer step changes, are staged by one stager kept for the run (torch's DefaultStager on a GPU,
+host_copies.HostCopies on a CPU; its copies are made once and reused by every save, and freed by close()) in a thread of its own while the next forward and backward run, and
 the trainer waits for that staging (`staged()`, stall time) right before the optimizer step. A thread of its own
 then waits for every rank's shards, and rank 0
 puts the folder in place (state.pt, fsync, rename) and its copies (last.dcp, best.dcp) and prunes the old epoch
@@ -85,16 +85,21 @@ class Saves:
         return self._group
 
     def stager(self) -> Any:
-        """The run's one torch DefaultStager: it copies the tensors of every background save in a thread of its
-        own, into copies it keeps between saves (allocated at the first save only)."""
+        """The run's one stager: it copies the tensors of every background save in a thread of its own, into
+        copies it keeps between saves (allocated at the first save only). On a GPU torch's DefaultStager (pinned
+        memory, a copy stream of its own); on a CPU host_copies.HostCopies (copies that leave the GIL free)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._stager is None:
+        from ddpkit.checkpoint.host_copies import HostCopies
+
+        if self._stager is None and not self._pinned:
+            self._stager = HostCopies()
+        elif self._stager is None:
             options = StagingOptions(
-                use_pinned_memory=self._pinned,
+                use_pinned_memory=True,
                 use_shared_memory=False,
                 use_async_staging=True,
-                use_non_blocking_copy=self._pinned,
+                use_non_blocking_copy=True,
             )
             self._stager = DefaultStager(options)
         return self._stager
