@@ -8,7 +8,7 @@ heap after they are freed, fragmented, and a rank's resident memory grows well b
 mapping, unmapped on free.
 
 It costs speed: every such tensor's pages are faulted in afresh (a llama under fsdp on 2 CPU processes, whose
-activations are 2-6 MiB each, ran 20-35% slower), so it is asked for: DDPKIT_MALLOC_TUNE=1 makes
+activations are 2-6 MiB each, ran at 0.67x of its speed), so it is asked for: DDPKIT_MALLOC_TUNE=1 makes
 `init_distributed` apply it once per process when the device is the CPU, the C library is glibc and malloc is its
 own; never when the user set their allocator's settings themselves (any `MALLOC_*` variable, glibc.malloc
 tunables, an LD_PRELOADed allocator).
