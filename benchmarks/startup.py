@@ -4,6 +4,10 @@ The yardstick is what no launcher can beat on this machine: two `python -c "impo
 (each worker has to import torch). The variants run in turn, their order rotating every round, --reps rounds:
 
   torch2   two `python -c "import torch"` started at once; the time until both have ended
+  step2    two `python -c "import torch; ...; torch.optim.SGD(...).step()"` at once: torch and one optimizer
+           step of torch's own, which imports torch._dynamo (what every first step needs: the floor)
+  torchrun torch.distributed.run --standalone --nproc-per-node 2 of a hand-written script: init_process_group,
+           a DDP Linear, one optimizer step, a printed step line (the hand-written path's start-up)
   after    `python -m ddpkit train --nproc-per-node 2 train.max_steps=1 train.log_every=1 out_dir=TMP` of
            this tree (src/ next to this file)
   cold     the same with DDPKIT_WARM_START=0: workers started as fresh interpreters, not forked from a fork
@@ -43,17 +47,40 @@ from _common import ROOT, machine, machine_line, md_table, python, read_jsonl, r
 TRAIN = ["train", "--nproc-per-node", "2", "train.max_steps=1", "train.log_every=1"]
 DEMO = ["train", "-c", "configs/digits.yaml", "--nproc-per-node", "2"]
 FIRST_STEP = re.compile(r"^== step: \[\s*1/")
-TARGET_FIRST, TARGET_WHOLE = 1.6, 2.0
+TARGET_FIRST, TARGET_WHOLE = 1.5, 2.0
 
 
-def torch_twice() -> dict[str, Any]:
-    """Two `python -c "import torch"` at once: wall until both have ended."""
+# one optimizer step of torch's own, which imports what every first step needs (torch._dynamo, 1.2 s here)
+STEP = "import torch; p = torch.zeros(1, requires_grad=True); p.sum().backward(); torch.optim.SGD([p], lr=0.1).step()"
+# the hand-written path: torch's launcher and a DDP step of the same kind, each worker printing its first step
+PLAIN = (
+    "import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+    "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)); "
+    "m(torch.ones(3, 4)).sum().backward(); torch.optim.SGD(m.parameters(), lr=0.1).step(); "
+    "print('== step: [1/1]', flush=True); dist.destroy_process_group()"
+)
+
+
+def python_twice(code: str = "import torch") -> dict[str, Any]:
+    """Two `python -c CODE` at once: wall until both have ended."""
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([python(), "-c", "import torch"]) for _ in range(2)]
+    procs = [subprocess.Popen([python(), "-c", code]) for _ in range(2)]
     codes = [p.wait() for p in procs]
     if any(codes):
-        raise SystemExit(f"python -c 'import torch' failed: {codes}")
+        raise SystemExit(f"python -c '{code}' failed: {codes}")
     return {"whole_s": time.perf_counter() - t0}
+
+
+def torchrun_plain(tmp: Path) -> dict[str, Any]:
+    """torch.distributed.run of 2 workers, each one DDP optimizer step (PLAIN): first step and whole."""
+    script = tmp / "plain_step.py"
+    script.write_text(PLAIN + "\n")
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    rc, wall, lines = run_streaming(cmd, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if rc != 0:
+        raise SystemExit(f"torchrun of the plain step failed with exit code {rc}: {lines[-5:]}")
+    first = next((t for t, line in lines if FIRST_STEP.match(line)), None)
+    return {"first_step_s": first, "whole_s": wall}
 
 
 def ddpkit_run(
@@ -172,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = " ".join(TRAIN) + " out_dir=TMP"
     commands = {
         "torch2": 'python -c "import torch" & python -c "import torch"; wait',
+        "step2": f'python -c "{STEP}" & python -c "{STEP}"; wait',
+        "torchrun": f"python -m torch.distributed.run --standalone --nproc-per-node 2 plain_step.py ({PLAIN})",
         "after": f"PYTHONPATH=src python -m ddpkit {shown}",
         "cold": f"DDPKIT_WARM_START=0 PYTHONPATH=src python -m ddpkit {shown}",
         "before": f"PYTHONPATH=<git archive {args.baseline} src> python -m ddpkit {shown}",
@@ -180,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old = baseline_src(args.baseline, Path(tmp)) if "before" in args.variants else None
         runners = {
-            "torch2": torch_twice,
+            "torch2": python_twice,
+            "step2": lambda: python_twice(STEP),
+            "torchrun": lambda: torchrun_plain(Path(tmp)),
             "after": lambda: ddpkit_run(here, TRAIN, env),
             "cold": lambda: ddpkit_run(here, TRAIN, {**env, "DDPKIT_WARM_START": "0"}),
             "before": lambda: ddpkit_run(old, TRAIN, env),  # type: ignore[arg-type]
@@ -224,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             f"targets: first step <= {TARGET_FIRST}x torch2: {first:.2f}x, {'met' if first <= TARGET_FIRST else 'NOT met'}; "
             f"whole <= {TARGET_WHOLE}x: {whole:.2f}x, {'met' if whole <= TARGET_WHOLE else 'NOT met'}"
         )
+    for name in ("step2", "torchrun"):
+        other = med(results.get(name, []), "first_step_s" if name == "torchrun" else "whole_s")
+        if other and after:
+            print(f"first step / {name}: {med(after, 'first_step_s') / other:.2f}x")
     if demo:
         print()
         print(
