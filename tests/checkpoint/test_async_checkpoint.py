@@ -8,11 +8,15 @@
 - On 2 pooled ranks (fsdp): 3 steps saved in the background at every step, continued by a second run to 6 steps,
   equal the unbroken one-process run; the checkpoint is complete when fit() returns; every metrics line has its
   checkpoint_stall_s.
-- `Saves` keeps one save in flight, times the waits and raises a background save's error in the training thread;
-  checkpoint.format=full is refused in one line before anything starts.
+- `Saves` keeps one save in flight, times the waits (for the write, and for the staging before an optimizer step)
+  and raises a background save's error in the training thread; checkpoint.format=full is refused in one line
+  before anything starts.
+- A save whose staging is made slow while the next epoch's forward passes (batch norm statistics) and optimizer
+  steps run holds its epoch's state bit for bit as the blocking save does (one process, in this one).
 
-Time budget: about 25 s on a quiet 2-core machine (a forking process's start, five short one-process runs forked
-from it, a one-process reference in this process, a 2-rank group of two short runs).
+Time budget: about 30 s on a quiet 2-core machine (a forking process's start, five short one-process runs forked
+from it, a one-process reference in this process, two runs of a small CNN in this process, a 2-rank group of two
+short runs).
 """
 
 from __future__ import annotations
@@ -27,11 +31,22 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 
-from conftest import GPT_RUN, REPO, cli_env, dist_context, plain, run_group, train_here, wait_for
+from conftest import (
+    GPT_RUN,
+    REPO,
+    cli_env,
+    dist_context,
+    metrics_rows,
+    plain,
+    run_group,
+    train_here,
+    wait_for,
+)
 from ddpkit.checkpoint import CheckpointDir, load_checkpoint
 from ddpkit.checkpoint.background import Saves, check_async_save
 from ddpkit.checkpoint.sharded import read_model
@@ -91,6 +106,15 @@ def test_saves_keep_one_in_flight_time_its_wait_and_raise_its_error_here():
         saves.wait()
     saves.wait()  # the error is raised once; nothing in flight now
 
+    staging = Future()  # the stager's copies, made while the next forward and backward run
+    saves.start(lambda: staging.result(), staging)
+    threading.Timer(0.2, staging.set_result, (None,)).start()
+    saves.staged()  # before the optimizer step: blocked until staged, stall time too
+    assert staging.done() and saves.in_flight and saves.take() >= 0.15
+    saves.staged()  # seen done once: nothing to wait for
+    saves.wait()
+    assert saves.take() < 0.15
+
 
 def test_a_background_save_is_complete_when_waited_for_and_places_nothing_once_abandoned(tmp_path):
     ckpts, side = CheckpointDir(tmp_path, sharded=True), {"epoch": 0, "step": 3, "consumed": 24}
@@ -107,6 +131,44 @@ def test_a_background_save_is_complete_when_waited_for_and_places_nothing_once_a
     ckpts.save_sharded({"model.w": w}, {**side, "step": 4}, True, False, background=saves)
     saves.wait()
     assert load_checkpoint(ckpts.last)["step"] == 3 and len(list(ckpts.dir.glob(".last.dcp.*.tmp"))) == 1
+
+
+def _folder_tensors(path, into) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, into)
+    return torch.load(into, weights_only=True)
+
+
+def test_a_save_staged_while_the_next_steps_run_equals_the_blocking_save_bit_for_bit(tmp_path, monkeypatch):
+    """The stager made slow: the next epoch's forward passes (which change batch norm's running statistics) and
+    its optimizer steps come while epoch 1's save is being staged, and that save holds epoch 1's state exactly."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    run = [
+        "model.arch=cnn", "data.dataset=synthetic", "data.synthetic_size=64", "data.synthetic_val_size=16",
+        "data.image_size=8", "data.augment=false", "train.batch_size=16", "optim.name=adamw", "train.epochs=2",
+        "checkpoint.format=sharded", "report.curves=false",
+    ]  # fmt: skip
+    train_here(*run, f"out_dir={tmp_path / 'blocking'}")
+    stage = DefaultStager._stage
+    monkeypatch.setattr(
+        DefaultStager, "_stage", lambda self, sd, **kw: time.sleep(0.5) or stage(self, sd, **kw)
+    )
+    train_here(*run, "checkpoint.async_save=true", f"out_dir={tmp_path / 'async'}")
+    for epoch in ("epoch_0001.dcp", "epoch_0002.dcp"):
+        ref, got = (
+            _folder_tensors(tmp_path / mode / "checkpoints" / epoch, tmp_path / f"{mode}{epoch}.pt")
+            for mode in ("blocking", "async")
+        )
+        assert sorted(got) == sorted(ref) and any("running_mean" in k for k in ref)
+        assert [k for k in ref if not torch.equal(got[k], ref[k])] == [], epoch
+        steps = [
+            load_checkpoint(tmp_path / mode / "checkpoints" / epoch)["step"] for mode in ("blocking", "async")
+        ]
+        assert steps[0] == steps[1] == 4 * int(epoch[6:10])
+    # epoch 2's first optimizer step waited for epoch 1's staging (0.5 s): stall time
+    assert [r["checkpoint_stall_s"] >= 0.3 for r in metrics_rows(tmp_path / "async")] == [False, True]
 
 
 # ----------------------------------------------------------------------------- 2 ranks, in the background

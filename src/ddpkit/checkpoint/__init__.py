@@ -204,18 +204,27 @@ class CheckpointDir:
             _place(path, self.best)
 
     def save_sharded(
-        self, tensors: dict, side: dict[str, Any], is_main: bool, is_best: bool, background: Any = None
+        self,
+        tensors: dict,
+        side: dict[str, Any],
+        is_main: bool,
+        is_best: bool,
+        background: Any = None,
+        later: frozenset[str] = frozenset(),
     ) -> None:
         """The sharded counterpart of save_epoch (side["consumed"] == 0) and save_step, every rank writing its
         tensors (collective): epoch_NNNN.dcp then copies as last.dcp (and best.dcp), or last.dcp alone.
-        `background` (checkpoint.background.Saves, none in flight): the state is staged now and written, placed,
-        copied and pruned by its thread (checkpoint.async_save)."""
+        `background` (checkpoint.background.Saves, none in flight): the state is staged (the tensors named in
+        `later` by its stager's thread, until background.staged()) and written, placed, copied and pruned by its
+        thread (checkpoint.async_save)."""
         target = self.last if side["consumed"] else self.epoch_path(side["epoch"])
         if background is None:
             sharded.write(target, tensors, side, is_main)
             self._placed(target, is_main, is_best)
             return
-        wait, place = sharded.write_in_background(target, tensors, side, is_main, background.group())
+        staged, wait, place = sharded.write_in_background(
+            target, tensors, side, is_main, background.group(), background.stager(), later
+        )
 
         def finish() -> None:
             wait()
@@ -223,7 +232,7 @@ class CheckpointDir:
                 place()
                 self._placed(target, is_main, is_best)
 
-        background.start(finish)
+        background.start(finish, staged)
 
     def _placed(self, target: Path, is_main: bool, is_best: bool) -> None:
         """Rank 0, once `target` is in place: its copies as last.dcp (an epoch folder) and best.dcp, the old epoch

@@ -3,8 +3,13 @@ background.
 
 `Saves` is what the Trainer holds: it times every moment training is blocked by a save (the metrics field
 `checkpoint_stall_s`) and, with async_save, keeps at most one save in flight. A background save
-(sharded.write_in_background: torch.distributed.checkpoint.async_save) returns once the state is staged, a copy
-of this step's tensors and its other state; a thread of its own then waits for every rank's shards, and rank 0
+(sharded.write_in_background: torch.distributed.checkpoint.async_save) returns once the state that training
+changes before its next optimizer step is copied (state.pt's entries, serialized; buffers such as batch norm's
+running statistics, which a forward pass changes); the parameters and the optimizer's state, which only the
+optimizer step changes, are staged by one torch DefaultStager kept for the run (its copies are made once and
+reused by every save, and freed by close()) in a thread of its own while the next forward and backward run, and
+the trainer waits for that staging (`staged()`, stall time) right before the optimizer step. A thread of its own
+then waits for every rank's shards, and rank 0
 puts the folder in place (state.pt, fsync, rename) and its copies (last.dcp, best.dcp) and prunes the old epoch
 folders, exactly as a blocking save does, so a checkpoint is "complete", the rename done, only after its last
 byte is durable, and a kill at any moment leaves the newest complete checkpoint as it was. The next save, the
@@ -19,6 +24,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -40,13 +47,18 @@ class Saves:
     """Checkpoint saves as training sees them: `stalled` seconds blocked so far (`take()` returns and resets
     them); `background`: saves run in a thread, at most one at a time."""
 
-    def __init__(self, background: bool = False, timeout_s: float = 600.0):
+    def __init__(self, background: bool = False, timeout_s: float = 600.0, pinned: bool = False):
         self.background = background
         self.stalled = 0.0
         self._timeout = timedelta(seconds=timeout_s)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group: Any = None
+        self._pinned = (
+            pinned  # a GPU's tensors: staged into page-locked memory, copied on a stream of its own
+        )
+        self._stager: Any = None  # made at the first background save, kept until close()
+        self._staging: Future | None = None  # the save in flight's staging, until staged() saw it done
         self.abandoned = False  # the run failed: a save in flight places nothing any more
 
     @contextlib.contextmanager
@@ -72,10 +84,27 @@ class Saves:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def start(self, finish: Callable[[], None]) -> None:
-        """Run finish() (waiting for the written shards, then putting the folder in place) in the background."""
+    def stager(self) -> Any:
+        """The run's one torch DefaultStager: it copies the tensors of every background save in a thread of its
+        own, into copies it keeps between saves (allocated at the first save only)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            options = StagingOptions(
+                use_pinned_memory=self._pinned,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=self._pinned,
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def start(self, finish: Callable[[], None], staging: Future | None = None) -> None:
+        """Run finish() (waiting for the written shards, then putting the folder in place) in the background;
+        `staging`: done once the stager's copies are made (staged() waits for it)."""
         if self._thread is not None:
             raise RuntimeError("a checkpoint save is already in flight")
+        self._staging = staging
 
         def run() -> None:
             try:
@@ -87,9 +116,19 @@ class Saves:
         self._thread = threading.Thread(target=run, name="ddpkit-checkpoint", daemon=True)
         self._thread.start()
 
+    def staged(self) -> None:
+        """Block (stall time) until the save in flight, if any, has copied the tensors the next optimizer step
+        changes (its error, if any, is raised by wait())."""
+        if self._staging is None:
+            return
+        with self.blocking():
+            futures.wait([self._staging])
+        self._staging = None
+
     def wait(self) -> None:
         """Block (stall time) until the save in flight, if any, is complete on every rank (rank 0 puts the folder
         in place after the others' shards are written: nobody reads it before); raise its error. Collective."""
+        self._staging = None  # its write waits for its staging
         if self._thread is None:
             return
         with self.blocking():
@@ -106,6 +145,13 @@ class Saves:
         """The run failed and lets go of out_dir without waiting: the save in flight, if any, writes on into its
         temporary folder (swept by the next run) but puts nothing in place."""
         self.abandoned = True
+
+    def close(self) -> None:
+        """Free the stager's copies (after the staging in flight, if any, is done; a write still in flight keeps
+        the copies it reads)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     @property
     def in_flight(self) -> bool:

@@ -20,6 +20,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -119,35 +120,62 @@ def write(target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], 
 
 
 def write_in_background(
-    target: Path, tensors: dict[str, torch.Tensor], side: dict[str, Any], is_main: bool, group: Any
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The same write with torch.distributed.checkpoint.async_save: the tensors are staged (copied into memory
-    of their own) before this returns, every rank's shards are written by a background thread whose collectives
-    run over `group` (a gloo group of their own, apart from training's). Returns (`wait`, `place`): once wait()
-    returns, every rank's shards and DCP's .metadata are durable (it raises the write's error); place() then puts
-    the folder in place on rank 0 (state.pt, fsync, rename) as write() does. Collective."""
+    target: Path,
+    tensors: dict[str, torch.Tensor],
+    side: dict[str, Any],
+    is_main: bool,
+    group: Any,
+    stager: Any,
+    later: frozenset[str] = frozenset(),
+) -> tuple[Future, Callable[[], None], Callable[[], None]]:
+    """The same write with torch.distributed.checkpoint.async_save: every tensor but those named in `later` is
+    copied before this returns, and `stager` (a torch DefaultStager) copies the tensors again, into copies it keeps
+    between saves, in a thread of its own; every rank's shards are then written by a background thread whose
+    collectives run over `group` (a gloo group of their own, apart from training's). `later`: tensors that only
+    an optimizer step changes (changed_by_step), which must not change before `staged` is done.
+    Returns (`staged`, `wait`, `place`): once wait() returns, every rank's shards and DCP's .metadata are durable
+    (it raises the write's error); place() then puts the folder in place on rank 0 (state.pt, fsync, rename) as
+    write() does. Collective."""
     import torch.distributed.checkpoint as dcp
 
     tmp, side_bytes = _begin(target, side, is_main)
+    now = {k: v if k in later else v.detach().clone() for k, v in tensors.items()}
+    if any(v.device.type != "cpu" for v in now.values()):
+        torch.accelerator.synchronize()  # the stager's stream reads what this step and the copies wrote
     # one process: DCP's thread warns that it assumes so (a filter of this thread cannot reach it)
     if _no_dist():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=dcp.__name__)
-    written = dcp.async_save(
-        tensors,
+    response = dcp.async_save(
+        now,
         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
         process_group=group,
+        async_stager=stager,
         no_dist=_no_dist(),
     )
 
     def wait() -> None:
         with _named_errors(target):
-            written.result()
+            response.upload_completion.result()
 
     def place_it() -> None:
         if is_main:
             place(tmp, target, side_bytes)
 
-    return wait, place_it
+    return response.staging_completion, wait, place_it
+
+
+def changed_by_step(tensors: dict[str, torch.Tensor], optimizer: Any) -> frozenset[str]:
+    """The names among `tensors` that only an optimizer step changes: the optimizer's state (`optim.*`) and the
+    model tensors that share memory with a parameter the optimizer updates. Any other tensor (a buffer such as
+    batch norm's running statistics, which a forward pass changes) is not among them."""
+    from torch.distributed.tensor import DTensor
+
+    def storage(t: torch.Tensor) -> int:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        return local.untyped_storage().data_ptr() if local.numel() else 0
+
+    params = {storage(p) for g in getattr(optimizer, "param_groups", ()) for p in g[PARAMS]} - {0}
+    return frozenset(k for k, v in tensors.items() if k.startswith(OPTIM) or storage(v) in params)
 
 
 def _begin(target: Path, side: dict[str, Any], is_main: bool) -> tuple[Path, bytes]:

@@ -286,9 +286,10 @@ class CheckpointConfig(Section):
     )
     async_save: bool = opt(
         False,
-        "true (with format=sharded): each checkpoint's state is staged, a copy in memory, and written in the "
-        "background (torch.distributed.checkpoint.async_save) while training goes on; at most one save in flight, "
-        "the next one, a stop and the run's end wait for it",
+        "true (with format=sharded): each checkpoint's state is staged, a copy in memory kept for the run, "
+        "during the next forward and backward (the optimizer step waits for it), and written in the background "
+        "(torch.distributed.checkpoint.async_save) while training goes on; at most one save in flight, the next "
+        "one, a stop and the run's end wait for it",
     )
     path: str | None = opt(None, "the checkpoint that `ddpkit eval` scores")
     every_steps: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", ge=0)

@@ -188,9 +188,9 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "seconds training was blocked by checkpointing in the epoch (rank 0's): its checkpoints inside it (checkpoint.every_*) "
         "and the one at its end; with `checkpoint.async_save=true` only the waits for the save in flight (the next "
-        "save, a stop and the run's end wait for it) and the staging of each save's state, the write itself "
-        "running in the background (the line a checkpoint carries, restored after a crash, counts up to that "
-        "checkpoint)",
+        "save, a stop and the run's end wait for it), the start of each save, and the wait before the next "
+        "optimizer step for its staging, the write itself running in the background (the line a checkpoint "
+        "carries, restored after a crash, counts up to that checkpoint)",
         value=lambda e: round(e.stall, 4),
     ),
     Field(

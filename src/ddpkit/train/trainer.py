@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ddpkit import config as config_mod
 from ddpkit import data
-from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text
+from ddpkit.checkpoint import TRAIN_KEYS, CheckpointDir, load_checkpoint, save_text, sharded
 from ddpkit.checkpoint.background import Saves, check_async_save
 from ddpkit.config import Config
 from ddpkit.data.prefetch import DeviceBatches
@@ -78,7 +78,7 @@ class Trainer:
         )
         check_async_save(cfg)
         # the seconds checkpoints block training; with checkpoint.async_save, the save in flight
-        self.saves = Saves(cfg.checkpoint.async_save, cfg.dist.timeout_s)
+        self.saves = Saves(cfg.checkpoint.async_save, cfg.dist.timeout_s, pinned=self.device.type == "cuda")
         self.run_dir = RunDir(cfg, ctx.is_main, self.log)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(ctx.rank, ctx.world_size)
@@ -234,6 +234,7 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)
                 # the norm over every gradient of every layout (a pipeline's: over every stage)
                 clip_grad_norm_(self.runner.clip_target, self.cfg.train.clip_grad_norm)
+            self.saves.staged()  # a background save's copies of what the step changes are made
             self.scaler.step(self.optimizer)
             self.memory.after_step(self.optimizer)
             self.scaler.update()
@@ -269,8 +270,10 @@ class Trainer:
         }
         if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
             tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
-            background = self.saves if self.saves.background else None  # staged here, written by its thread
-            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best, background)
+            background, later = None, frozenset()
+            if self.saves.background:  # what only the optimizer step changes is staged until it (train_step)
+                background, later = self.saves, sharded.changed_by_step(tensors, self.optimizer)
+            self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best, background, later)
         else:
             model = self.strategy.model_state(self.wrapped)
             full = {
@@ -409,6 +412,7 @@ class Trainer:
             self.saves.abandon()  # a failed run does not wait for its save in flight (a peer may be gone)
             raise
         finally:
+            self.saves.close()
             self.log.close()
             self.run_dir.close()
             if self._own_heartbeat:
