@@ -112,7 +112,7 @@ def probe(out: Path, data: Path, nproc: int, src: Path, start: list[str]) -> dic
     if proc.returncode:
         raise SystemExit(f"{out.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     ranks = json.loads(Path(str(out) + ".json").read_text())["ranks"]
-    return {k: max(r[k] for r in ranks) for k in ("start", "built", "stepped")}
+    return {k: max(r[k] for r in ranks) for k in ("start", "built", "stepped", "stepped2")}
 
 
 def probe_folder(nproc: int, src: Path, tmp: Path) -> None:
@@ -125,7 +125,8 @@ def probe_folder(nproc: int, src: Path, tmp: Path) -> None:
     model = sum(f.stat().st_size for f in (tmp / "hf-big").glob("*.safetensors"))
     print(f"| {nproc} processes, fsdp, model.init_from | tiny | 201M | added | added / model bytes |")
     print("|---|---|---|---|---|")
-    for k, what in (("built", "built: laid out, folder read"), ("stepped", "after one AdamW step")):
+    steps = (("stepped", "after one AdamW step"), ("stepped2", "after the second step"))
+    for k, what in (("built", "built: laid out, folder read"), *steps):
         tiny, big = got["tiny"][k], got["big"][k]
         print(
             f"| {what} | {tiny / 2**20:.0f} MiB | {big / 2**20:.0f} MiB | {(big - tiny) / 2**20:.0f} MiB | {(big - tiny) / model:.2f} |"

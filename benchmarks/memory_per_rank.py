@@ -8,7 +8,7 @@ Each layout is one `ddpkit train` of one optimizer step: model.arch=gpt (2 block
     python benchmarks/memory_per_rank.py --json mem.json
     python benchmarks/memory_per_rank.py --only hsdp2x2 fsdp-dp2xtp2xpp2   # some layouts (single always first)
 
-`--peak`: each rank's peak resident memory while building and during the first optimizer step of a 201M-parameter
+`--peak`: each rank's peak resident memory while building and during the first two optimizer steps of a 201M-parameter
 llama (16 blocks, width 1024) under dist.strategy=fsdp on 1, 2, 4 and 8 processes (benchmarks/peak_probe.py, one
 run at a time), beside the same runs at width 64 (the fixed costs: torch, the data, the process group): what the
 model adds to a rank's peak, against the model's own bytes. `--src DIR` measures another checkout's ddpkit (its
@@ -111,6 +111,7 @@ def peak_rows(ranks: list[int], src: Path, text: Path, tmp: Path) -> list[dict]:
             got = measure_peak(n, width, tmp, text, src)
             row[f"{kind}_built"] = max(r["built"] for r in got["ranks"])
             row[f"{kind}_stepped"] = max(r["stepped"] for r in got["ranks"])
+            row[f"{kind}_stepped2"] = max(r["stepped2"] for r in got["ranks"])
             row[f"{kind}_weights"] = [got["weights_before"], got["weights_after"]]
             row[f"{kind}_params"] = got["params"]
         rows.append(row)
@@ -121,13 +122,13 @@ def peak_rows(ranks: list[int], src: Path, text: Path, tmp: Path) -> list[dict]:
 def peak_table(rows: list[dict]) -> str:
     lines = [
         "| processes | peak after building (GB) | fixed (GB) | added / model | peak after step 1 (GB) | fixed (GB) "
-        "| added / model |",
-        "|---|---|---|---|---|---|---|",
+        "| added / model | peak after step 2 (GB) | fixed (GB) | added / model |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         model_bytes = 4 * r["model_params"]  # float32 weights
         cells = [str(r["processes"])]
-        for phase in ("built", "stepped"):
+        for phase in ("built", "stepped", "stepped2"):
             model, fixed = r[f"model_{phase}"], r[f"fixed_{phase}"]
             cells += [f"{model / 1e9:.2f}", f"{fixed / 1e9:.2f}", f"{(model - fixed) / model_bytes:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,5 +1,5 @@
 """One rank of `benchmarks/memory_per_rank.py --peak`: the Trainer that `ddpkit train` runs, built, then one
-optimizer step; rank 0 writes each rank's peak resident memory after building and after the step, and a
+optimizer step, then a second; rank 0 writes each rank's peak resident memory after building and after each step, and a
 fingerprint of the weights before and after the step (the sum of their squares over every rank's own shards, in
 float64), as JSON into the file its first argument names.
 
@@ -53,10 +53,14 @@ def main() -> None:
     trainer.state.begin_epoch(1)
     trainer.runner.begin_epoch(trainer.state.sums)
     trainer.runner.train()
-    trainer.train_step(itertools.islice(iter(trainer.train_loader), cfg.train.grad_accum_steps))
+    batches = iter(trainer.train_loader)
+    trainer.train_step(itertools.islice(batches, cfg.train.grad_accum_steps))
     stepped = peak()
     after = fingerprint(trainer)
-    peaks = all_gather_object({"rank": ctx.rank, "start": start, "built": built, "stepped": stepped})
+    trainer.train_step(itertools.islice(batches, cfg.train.grad_accum_steps))  # AdamW's moments now held
+    stepped2 = peak()
+    ranks = {"rank": ctx.rank, "start": start, "built": built, "stepped": stepped, "stepped2": stepped2}
+    peaks = all_gather_object(ranks)
     if ctx.is_main:
         params = sum(p.numel() for p in trainer.model.parameters())  # a DTensor's numel is the whole tensor's
         row = {"world_size": ctx.world_size, "ranks": peaks, "params": params}

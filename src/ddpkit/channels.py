@@ -30,6 +30,7 @@ LOCAL_RANK_ARG = "DDPKIT_LOCAL_RANK_ARG"
 JOB_DIR = "DDPKIT_JOB_DIR"
 WARNINGS_PER_RANK = "DDPKIT_WARNINGS_PER_RANK"
 WORKER_EXITS = "DDPKIT_WORKER_EXITS"
+MALLOC_TUNE = "DDPKIT_MALLOC_TUNE"
 
 CHANNELS: tuple[Channel, ...] = (
     Channel(LAUNCHER, "launcher.launch, launcher.spawn (spawn workers)", "cluster.launchers",
@@ -56,6 +57,8 @@ CHANNELS: tuple[Channel, ...] = (
             "a folder where the fork server writes each worker's exit status (PID: status), as the launcher cannot wait for its grandchildren"),
     Channel(WARNINGS_PER_RANK, "the user", "diagnostics.warn_once (workers)",
             "'1': every rank prints its own warnings, as plain torchrun does (default: a warning once for the job)"),
+    Channel(MALLOC_TUNE, "the user", "distributed.allocator (CPU workers)",
+            "'1': a CPU worker's glibc maps each tensor above 1 MiB and returns it on free (less memory, slower steps)"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
     Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",

@@ -193,3 +193,38 @@ def test_export_of_a_sharded_checkpoint_writes_shards_and_an_index_in_fp32_or_bf
     bad = ["export", str(out), "--to", "hf", str(tmp_path / "x"), "--max-shard-size", "lots"]
     assert_user_error(cli_in_process(capsys, *bad), "--max-shard-size 'lots' is not a size")
     assert not (tmp_path / "x").exists()
+
+
+def _mapped(folder) -> list[str]:
+    """The folder's files this process has mapped now (their pages count in its resident memory)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if str(folder) in line})
+
+
+def test_a_file_of_the_folder_is_mapped_only_while_one_tensor_is_read(folder, monkeypatch):
+    """Each read maps its file and unmaps it once the piece read is dropped: with the files held open while every tensor was read, each
+    of 8 ranks reading its slices of a 201M model held 440 MiB of their pages (benchmarks/RESULTS.md §21)."""
+    from ddpkit.checkpoint import dcp_io, sharded
+    from ddpkit.models import MODEL_FAMILIES
+    from ddpkit.models.hf import open_folder
+    from ddpkit.models.hf.storage import FolderSource
+
+    hf = open_folder(folder, MODEL_FAMILIES.entries())
+    with torch.device("meta"):
+        model = hf.build()
+    model = model.to_empty(device="cpu")
+    wanted, seen = dict(model.state_dict()), []
+    for _name, piece in FolderSource(hf.tensors).pieces(wanted):  # the weight source of a meta build
+        seen.append(_mapped(folder))
+        del piece
+    commit = dcp_io.TensorsOnlyPlanner.commit_tensor
+
+    def committed(self, item, tensor):  # DCP's read of the folder (model.init_from under a sharded layout)
+        seen.append(_mapped(folder))
+        return commit(self, item, tensor)
+
+    monkeypatch.setattr(dcp_io.TensorsOnlyPlanner, "commit_tensor", committed)
+    sharded.load(folder, model, None, {})
+    assert len(seen) == 2 * len(wanted)
+    assert max(len(files) for files in seen) == 1, seen  # the file of the piece in hand, no other
+    assert _mapped(folder) == []

@@ -17,6 +17,7 @@ from ddpkit import channels
 from ddpkit.cluster.env import DistEnv, detect_env, explicit_env, manual_env, torch_variables
 from ddpkit.cluster.netif import use_interface
 from ddpkit.distributed import rendezvous
+from ddpkit.distributed.allocator import tune_cpu_allocator
 from ddpkit.distributed.collectives import group_ended
 from ddpkit.errors import UserError, first_line
 
@@ -119,6 +120,8 @@ def init_distributed(
     if dist.is_available() and dist.is_initialized():
         if _CONTEXT is None:
             _CONTEXT = _adopt()
+            if _CONTEXT.device.type == "cpu":
+                tune_cpu_allocator()
         return _CONTEXT
     if env is None:
         if init_method is not None:
@@ -139,6 +142,8 @@ def init_distributed(
     set_thread_count(env)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        tune_cpu_allocator()  # before the model is built: its freed tensors go back to the system
     if env.distributed:
         _init_group(env, backend, dev, timeout_s, store)
     _CONTEXT = DistContext(env=env, backend=backend, device=dev)

@@ -83,7 +83,7 @@ class FolderReader(StorageReader):
         return plans
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future:
-        with torch.no_grad(), self.tensors.opened():
+        with torch.no_grad():
             for item in plan.items:
                 value = self.tensors.read(
                     item.storage_index.fqn[len(MODEL) :], item.storage_offsets, item.lengths
@@ -135,9 +135,8 @@ class FolderSource(Mapping):
 
     def pieces(self, wanted: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, this rank's piece) of every tensor of `wanted` ({the model's name: the tensor, laid out})."""
-        with self.tensors.opened():
-            for name, like in wanted.items():
-                yield name, self.piece(name, like)
+        for name, like in wanted.items():
+            yield name, self.piece(name, like)
 
 
 dcp_io.declare_foreign(is_foreign, FolderReader)  # from here on, DCP reads a Hugging Face folder with it

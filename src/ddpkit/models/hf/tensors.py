@@ -6,9 +6,8 @@ only its slices: safetensors' `get_slice` reads just those bytes)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,6 @@ class FolderTensors:
         check_dtypes(entries, [self.found[n] for n in used], folder)
         refuse_size(sum(e.numel for e in self.entries.values()), folder)
         self.shapes = {ours: self._shape(ours, t) for ours, t in self.table.items()}
-        self._open: dict[Path, Any] = {}
 
     def _shape(self, ours: str, t: HFTensor) -> tuple[int, ...]:
         """The model tensor's shape: the folder tensor's, transposed, of which one of `parts` along dim 0; of
@@ -87,21 +85,6 @@ class FolderTensors:
     def dtype(self, ours: str) -> torch.dtype:
         return DTYPES[self.entries[self.table[ours].names[0]].dtype]
 
-    @contextlib.contextmanager
-    def opened(self) -> Iterator[FolderTensors]:
-        """Keep the safetensors files open while reading many tensors."""
-        if self._open:  # already open: the outer one closes them
-            yield self
-            return
-        try:
-            with contextlib.ExitStack() as stack:
-                for e in self.entries.values():
-                    if e.file not in self._open:
-                        self._open[e.file] = stack.enter_context(safe_open(e.file, framework="pt"))
-                yield self
-        finally:
-            self._open.clear()
-
     def read(
         self, ours: str, offsets: Sequence[int] | None = None, lengths: Sequence[int] | None = None
     ) -> torch.Tensor:
@@ -126,15 +109,12 @@ class FolderTensors:
             box[0] = slice(first + box[0].start, first + box[0].stop)
         if t.transposed:
             box.reverse()
-        if not self._open:
-            with self.opened():
-                return self._take(t, box)
-        return self._take(t, box)
-
-    def _take(self, t: HFTensor, box: list[slice]) -> torch.Tensor:
-        fh = self._open[self.entries[t.name].file]
-        name = self.found[t.name]
-        value = fh.get_slice(name)[tuple(box)] if box else fh.get_tensor(name)
+        # its file mapped for this read alone: the pages of a mapped file count in the process's resident memory
+        # until it is unmapped, so the files held open while each rank read its slices of every tensor kept
+        # 440 MiB of them on each of 8 ranks (benchmarks/RESULTS.md §21)
+        with safe_open(self.entries[t.name].file, framework="pt") as fh:
+            name = self.found[t.name]
+            value = fh.get_slice(name)[tuple(box)] if box else fh.get_tensor(name)
         return value.t().contiguous() if t.transposed else value
 
 
@@ -159,6 +139,5 @@ def fill(model: torch.nn.Module, tensors: FolderTensors, where: str) -> None:
     """Every tensor of `model` (whole tensors on this process) from the folder, one tensor at a time."""
     own = model.state_dict()
     check_model(tensors, own, where)
-    with tensors.opened():
-        for name, value in own.items():
-            value.copy_(tensors.read(name))
+    for name, value in own.items():
+        value.copy_(tensors.read(name))
