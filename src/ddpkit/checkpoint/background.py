@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.checkpoint.host_copies import HostCopies
 from ddpkit.errors import UserError
 
 
@@ -89,8 +90,6 @@ class Saves:
         copies it keeps between saves (allocated at the first save only). On a GPU torch's DefaultStager (pinned
         memory, a copy stream of its own); on a CPU host_copies.HostCopies (copies that leave the GIL free)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        from ddpkit.checkpoint.host_copies import HostCopies
 
         if self._stager is None and not self._pinned:
             self._stager = HostCopies()
