@@ -58,7 +58,8 @@ CHANNELS: tuple[Channel, ...] = (
     Channel(WARNINGS_PER_RANK, "the user", "diagnostics.warn_once (workers)",
             "'1': every rank prints its own warnings, as plain torchrun does (default: a warning once for the job)"),
     Channel(MALLOC_TUNE, "the user", "distributed.allocator (CPU workers)",
-            "'1': a CPU worker's glibc maps each tensor above 1 MiB and returns it on free (less memory, slower steps)"),
+            "a CPU worker's glibc thresholds: unset, 32/64 MiB (steps reuse their temporaries); '1', each tensor above 1 MiB "
+            "mapped and returned on free (less memory, slower); '0', glibc's own rule"),
     Channel(COMM_TAMPER, "tests of `ddpkit comm`", "diagnostics.collective_check",
             "a rank whose collective results are tampered with, to prove the check catches it"),
     Channel(LOCAL_RANK_ARG, "distributed.local_rank (ddpkit run)", "distributed.usermain",

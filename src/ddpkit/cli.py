@@ -17,6 +17,7 @@ from ddpkit.cluster.env import DistEnv, detect_env, manual_env
 from ddpkit.commands import COMMANDS, Command, CommandParser, all_commands, get_command
 from ddpkit.config import describe_keys, load_config
 from ddpkit.diagnostics import stacks
+from ddpkit.distributed import allocator
 from ddpkit.errors import CollectiveFailure, Failure, UserError, describe_os_error, escaped, printed
 from ddpkit.launcher import startup, warm_start
 from ddpkit.launcher.elastic import launch_elastic
@@ -120,6 +121,7 @@ def preflight(command: Command, cfg, env) -> None:
 def run(argv: Sequence[str]) -> int:
     """Run one ddpkit command line in this process (starting workers if the launch flags ask for them)."""
     argv = list(argv)
+    allocator.profile()  # a DDPKIT_MALLOC_TUNE that is none of its settings: refused before anything starts
     script = get_command(argv[0]) if argv and not argv[0].startswith("-") else None
     if script is not None and script.mode == "script":
         return int(script.function(argv[1:]) or 0)

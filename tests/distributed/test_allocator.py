@@ -1,5 +1,7 @@
-"""glibc's heap in CPU workers: with DDPKIT_MALLOC_TUNE=1 tensors above 1 MiB get pages of their own (returned on
-free), unless the user set the allocator's settings (benchmarks/RESULTS.md §11d measures the memory and the speed)."""
+"""glibc's heap in CPU workers: by default its thresholds fixed at glibc's own end state (a step's temporaries up to
+32 MiB reused from the heap), with DDPKIT_MALLOC_TUNE=1 tensors above 1 MiB get pages of their own (returned on
+free), with 0 glibc's dynamic rule; never when the user set the allocator's settings (benchmarks/RESULTS.md §11d
+and §22b measure the memory and the speed)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from ddpkit import channels
 from ddpkit.distributed import allocator
 
 # A rank frees an 8 MiB tensor (glibc's own rule then serves anything up to 8 MiB from its heap), then makes a
-# 2 MiB one: mapped on its own only when the threshold is fixed. mallinfo2's hblkhd: bytes in mmapped blocks.
+# 2 MiB one (mapped on its own only with the memory profile) and a 30 MiB one (mapped unless the steady profile
+# serves it from the heap; mapped whatever the profile if the heap had no 30 MiB free: fordblks, checked).
+# mallinfo2's hblkhd: bytes in mmapped blocks.
 PROBE = """
 import ctypes, json, sys
 import torch
@@ -30,11 +34,15 @@ libc.mallinfo2.restype = Info
 ctx = init_distributed()
 big = torch.ones(2 << 20)  # 8 MiB
 del big
-before = libc.mallinfo2().hblkhd
-small = torch.ones(1 << 19)  # 2 MiB
-mapped = libc.mallinfo2().hblkhd - before >= small.nbytes
+mapped = []
+for numel in (1 << 19, 30 << 18):  # 2 MiB, 30 MiB
+    before = libc.mallinfo2()
+    t = torch.ones(numel)
+    mapped.append(libc.mallinfo2().hblkhd - before.hblkhd >= t.nbytes)
+    del t
+room = before.fordblks >= 30 << 20  # the heap could have served the 30 MiB one whatever the threshold
 with open(f"{sys.argv[1]}.{ctx.rank}", "w") as f:
-    json.dump({"applied": allocator.applied(), "mapped": mapped}, f)
+    json.dump({"applied": allocator.applied(), "mapped": mapped, "room": room}, f)
 """
 
 
@@ -44,30 +52,47 @@ def _ranks(out, world_size: int = 2) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
-def test_cpu_workers_asked_map_big_tensors_unless_the_user_set_the_allocator(tmp_path):
+def test_cpu_workers_get_the_profile_asked_for_unless_the_user_set_the_allocator(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    asked = {channels.MALLOC_TUNE: "1"}
-    runs = {"ours": asked, "theirs": {**asked, "MALLOC_ARENA_MAX": "4"}}
+    runs = {  # name: (environment, processes)
+        "steady": ({}, 2),
+        "memory": ({channels.MALLOC_TUNE: "1"}, 2),
+        "off": ({channels.MALLOC_TUNE: "0"}, 1),
+        "theirs": ({"MALLOC_ARENA_MAX": "4"}, 1),
+    }
     with ThreadPoolExecutor(max_workers=2) as pool:
         procs = pool.map(
             lambda name: run_cli(
-                "run", "--nproc-per-node", "2", str(script), str(tmp_path / name), env=runs[name]
+                "run",
+                "--nproc-per-node",
+                str(runs[name][1]),
+                str(script),
+                str(tmp_path / name),
+                env=runs[name][0],
             ),
             runs,
         )
         for proc in procs:
             assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _ranks(tmp_path / "ours") == [{"applied": 1 << 20, "mapped": True}] * 2
-    assert (
-        _ranks(tmp_path / "theirs") == [{"applied": None, "mapped": False}] * 2
-    )  # glibc's own rule, untouched
+    no_room = {"room": False}
+    assert _ranks(tmp_path / "steady") == [{"applied": 32 << 20, "mapped": [False, False], **no_room}] * 2
+    assert [r["applied"] for r in _ranks(tmp_path / "memory")] == [1 << 20] * 2
+    assert [r["mapped"][0] for r in _ranks(tmp_path / "memory")] == [True] * 2
+    for untouched in ("off", "theirs"):  # glibc's own rule: the 30 MiB tensor is above its raised threshold
+        assert _ranks(tmp_path / untouched, 1) == [{"applied": None, "mapped": [False, True], **no_room}]
+
+
+def test_a_malloc_setting_that_is_none_is_one_line(tmp_path):
+    proc = run_cli("run", str(tmp_path / "absent.py"), env={channels.MALLOC_TUNE: "fast"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "ddpkit: error: DDPKIT_MALLOC_TUNE='fast' is not a setting of the CPU allocator" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "env, why",
     [
-        ({}, channels.MALLOC_TUNE),  # not asked for: it costs speed
+        ({}, None),  # the steady profile
         ({channels.MALLOC_TUNE: "0"}, channels.MALLOC_TUNE),
         ({channels.MALLOC_TUNE: "1"}, None),
         ({channels.MALLOC_TUNE: "1", "MALLOC_MMAP_THRESHOLD_": "65536"}, "MALLOC_MMAP_THRESHOLD_"),
@@ -76,7 +101,7 @@ def test_cpu_workers_asked_map_big_tensors_unless_the_user_set_the_allocator(tmp
         ({channels.MALLOC_TUNE: "1", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "LD_PRELOAD"),
     ],
 )
-def test_the_allocator_is_set_only_when_asked_and_the_user_set_nothing(monkeypatch, env, why):
+def test_the_allocator_is_left_alone_when_off_or_the_user_set_it(monkeypatch, env, why):
     for name in [n for n in os.environ if n.startswith("MALLOC_")]:
         monkeypatch.delenv(name)
     for name in (channels.MALLOC_TUNE, "GLIBC_TUNABLES", "LD_PRELOAD"):

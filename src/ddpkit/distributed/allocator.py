@@ -1,17 +1,23 @@
-"""glibc's heap in a CPU worker: tensors above a fixed size get pages of their own, returned when freed.
+"""glibc's heap in a CPU worker: one fixed setting from the start, instead of what the process happened to free.
 
-By default glibc serves a freed block again from its heap and raises the size it maps on its own (the dynamic
-mmap threshold) up to 32 MiB after the first such block is freed: the gathered weights, gradients and
-temporaries of a training step (1-32 MiB each for a model of a few hundred million parameters) then stay in the
-heap after they are freed, fragmented, and a rank's resident memory grows well beyond what it holds
-(benchmarks/RESULTS.md §11d). With a fixed threshold (mallopt M_MMAP_THRESHOLD) every tensor above it is its own
-mapping, unmapped on free.
+By default glibc maps each block above 128 KiB on its own and, after the first such block is freed, raises that
+size (the dynamic mmap threshold, up to 32 MiB) and the size of free heap top it keeps (the trim threshold, twice
+that). So how fast a CPU training step runs depends on what the process freed first: resnet18's optimizer makes
+a 9.4 MiB temporary per weight of its last blocks each step, and a worker that never freed a larger block maps,
+faults in and unmaps them every step (180,000-350,000 page faults an epoch of 20 steps; 5% of the main thread's
+CPU), while a hand-written loop that freed a 31 MiB batch of images while it made its data set reuses them.
+ddpkit sets the two thresholds, once per process, when the device is the CPU (`init_distributed`):
 
-It costs speed: every such tensor's pages are faulted in afresh (a llama under fsdp on 2 CPU processes, whose
-activations are 2-6 MiB each, ran at 0.67x of its speed), so it is asked for: DDPKIT_MALLOC_TUNE=1 makes
-`init_distributed` apply it once per process when the device is the CPU, the C library is glibc and malloc is its
-own; never when the user set their allocator's settings themselves (any `MALLOC_*` variable, glibc.malloc
-tunables, an LD_PRELOADed allocator).
+- `steady` (the default): glibc's own end state from the start, the mmap threshold at 32 MiB and the trim
+  threshold at 64 MiB: a step's temporaries are served again from the heap (benchmarks/RESULTS.md §22b).
+- `memory` (DDPKIT_MALLOC_TUNE=1): every tensor above 1 MiB is its own mapping, unmapped on free. A rank's
+  resident memory then follows what it holds (the gathered weights, gradients and temporaries of a sharded
+  step otherwise stay in the heap, fragmented, §11d), at a cost in speed: every such tensor's pages are faulted
+  in afresh (a llama under fsdp on 2 CPU processes, whose activations are 2-6 MiB each, ran at 0.67x).
+- `off` (DDPKIT_MALLOC_TUNE=0): glibc's dynamic rule, untouched.
+
+Never when the user set their allocator's settings themselves (any `MALLOC_*` variable, glibc.malloc tunables, an
+LD_PRELOADed allocator), nor off glibc.
 """
 
 from __future__ import annotations
@@ -20,16 +26,31 @@ import ctypes
 import os
 
 from ddpkit import channels
+from ddpkit.errors import UserError
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 1 << 20  # measured: benchmarks/RESULTS.md §11d
-_APPLIED: list[int] = []  # the threshold this process set, once
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 1 << 20  # the memory profile's; measured: benchmarks/RESULTS.md §11d
+# profile: (mmap threshold, trim threshold or None); steady is glibc's DEFAULT_MMAP_THRESHOLD_MAX and twice it
+PROFILES = {"steady": (32 << 20, 64 << 20), "memory": (MMAP_THRESHOLD_BYTES, None)}
+TUNE_VALUES = {"": "steady", "steady": "steady", "1": "memory", "memory": "memory", "0": "off", "off": "off"}
+_APPLIED: list[int] = []  # the mmap threshold this process set, once
+
+
+def profile() -> str:
+    """The profile DDPKIT_MALLOC_TUNE asks for: steady (unset), memory (1) or off (0)."""
+    raw = os.environ.get(channels.MALLOC_TUNE, "").strip().lower()
+    if raw not in TUNE_VALUES:
+        raise UserError(
+            f"{channels.MALLOC_TUNE}={raw!r} is not a setting of the CPU allocator",
+            "unset it (steady), 1 (memory: big tensors returned on free) or 0 (off: glibc's own rule)",
+        )
+    return TUNE_VALUES[raw]
 
 
 def user_chose() -> str | None:
-    """Why the allocator is left alone in this process (a variable's name), or None when it is asked for
-    (DDPKIT_MALLOC_TUNE=1) and the user set nothing of their own."""
-    if os.environ.get(channels.MALLOC_TUNE, "0") != "1":
+    """Why the allocator is left alone in this process (a variable's name), or None when ddpkit sets it: the
+    profile is not off and the user set nothing of their own."""
+    if profile() == "off":
         return channels.MALLOC_TUNE
     for name in sorted(os.environ):
         if name.startswith("MALLOC_"):
@@ -51,16 +72,19 @@ def _glibc():
     return libc
 
 
-def tune_cpu_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> int | None:
-    """Fix glibc's mmap threshold at `threshold` bytes in this process; the threshold set, or None when this
-    process is not glibc's, it was not asked for, the user set the allocator, or it was already set."""
+def tune_cpu_allocator() -> int | None:
+    """Set glibc's thresholds of the asked profile in this process; the mmap threshold set, or None when this
+    process is not glibc's, the profile is off, the user set the allocator, or it was already set."""
     if _APPLIED or user_chose() is not None:
         return None
     libc = _glibc()
-    if libc is None or libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
+    mmap, trim = PROFILES[profile()]
+    if libc is None or libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap)) != 1:
         return None
-    _APPLIED.append(threshold)
-    return threshold
+    if trim is not None:
+        libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))
+    _APPLIED.append(mmap)
+    return mmap
 
 
 def applied() -> int | None:
