@@ -7,9 +7,9 @@ background.
 changes before its next optimizer step is copied (state.pt's entries, serialized; buffers such as batch norm's
 running statistics, which a forward pass changes); the parameters and the optimizer's state, which only the
 optimizer step changes, are staged by one stager kept for the run (torch's DefaultStager on a GPU,
-host_copies.HostCopies on a CPU; its copies are made once and reused by every save, and freed by close()) in a thread of its own while the next forward and backward run, and
-the trainer waits for that staging (`staged()`, stall time) right before the optimizer step. A thread of its own
-then waits for every rank's shards, and rank 0
+host_copies.HostCopies on a CPU; its copies are made once, reused by every save and freed by close()) in a
+thread of its own while the next forward and backward run, and the trainer waits for that staging (`staged()`,
+stall time) right before the optimizer step. A thread of its own then waits for every rank's shards, and rank 0
 puts the folder in place (state.pt, fsync, rename) and its copies (last.dcp, best.dcp) and prunes the old epoch
 folders, exactly as a blocking save does, so a checkpoint is "complete", the rename done, only after its last
 byte is durable, and a kill at any moment leaves the newest complete checkpoint as it was. The next save, the
@@ -55,9 +55,8 @@ class Saves:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group: Any = None
-        self._pinned = (
-            pinned  # a GPU's tensors: staged into page-locked memory, copied on a stream of its own
-        )
+        # a GPU's tensors: staged into page-locked memory, copied on a stream of its own
+        self._pinned = pinned
         self._stager: Any = None  # made at the first background save, kept until close()
         self._staging: Future | None = None  # the save in flight's staging, until staged() saw it done
         self.abandoned = False  # the run failed: a save in flight places nothing any more
