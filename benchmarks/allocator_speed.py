@@ -10,6 +10,7 @@ batch 8, AdamW) under dist.strategy=fsdp, whose gathered weights, gradients and 
     python benchmarks/allocator_speed.py                      # 3 rounds, 20 steps an epoch, both workloads
     python benchmarks/allocator_speed.py --rounds 5 --steps 30 --only llama
     python benchmarks/allocator_speed.py --threshold 4194304     # another threshold (MALLOC_MMAP_THRESHOLD_)
+    python benchmarks/allocator_speed.py --lean --only llama      # dist.memory=lean against the default
 """
 
 from __future__ import annotations
@@ -48,15 +49,20 @@ def workload(name: str, steps: int, root: Path) -> tuple[list[str], str]:
     return keys, "train_tokens_per_s"
 
 
-def run_side(side: str, name: str, steps: int, root: Path, echo: bool, threshold: int | None) -> dict:
+def run_side(
+    side: str, name: str, steps: int, root: Path, echo: bool, threshold: int | None, lean: bool
+) -> dict:
     keys, unit = workload(name, steps, root)
+    keys += ["dist.memory=lean"] if lean and side == "mapped" else []
     out = Path(tempfile.mkdtemp(dir=root))
     cmd = [common.python(), "-m", "ddpkit", "train", *keys, "train.epochs=2", "eval.every=1000"]
     cmd += ["report.curves=false", "checkpoint.resume=none", "data.num_workers=0", f"out_dir={out}"]
     cmd += ["--nproc-per-node", "2"]
     env = {k: v for k, v in os.environ.items() if k != "DDPKIT_MALLOC_TUNE"}
     env["OMP_NUM_THREADS"] = "1"
-    if side == "mapped" and threshold is None:
+    if side == "mapped" and lean:
+        pass  # dist.memory=lean sets the same heap itself, once the model is sharded
+    elif side == "mapped" and threshold is None:
         env["DDPKIT_MALLOC_TUNE"] = "1"
     elif side == "mapped":  # another threshold: glibc reads it at start
         env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
@@ -72,6 +78,7 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=("resnet18", "llama"), default=["resnet18", "llama"])
     p.add_argument("--echo", action="store_true")
     p.add_argument("--threshold", type=int, help="the mapped side's threshold in bytes (default: ddpkit's)")
+    p.add_argument("--lean", action="store_true", help="the mapped side is dist.memory=lean (llama only)")
     args = p.parse_args()
     print(
         f"allocator setting, mapped vs glibc's defaults: {common.machine_line(common.machine())}", flush=True
@@ -81,7 +88,9 @@ def main() -> None:
         for name in args.only:
             unit = workload(name, args.steps, Path(tmp))[1]
             runs = common.alternated(
-                args.rounds, SIDES, lambda side, n=name: run_side(side, n, args.steps, Path(tmp), args.echo, args.threshold),
+                args.rounds, SIDES, lambda side, n=name: run_side(
+                    side, n, args.steps, Path(tmp), args.echo, args.threshold, args.lean
+                ),
                 name, unit,
             )  # fmt: skip
             med, each, loads = common.compared(runs, SIDES, unit)

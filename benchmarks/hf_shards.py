@@ -115,13 +115,15 @@ def probe(out: Path, data: Path, nproc: int, src: Path, start: list[str]) -> dic
     return {k: max(r[k] for r in ranks) for k in ("start", "built", "stepped", "stepped2")}
 
 
-def probe_folder(nproc: int, src: Path, tmp: Path) -> None:
+def probe_folder(nproc: int, src: Path, tmp: Path, more: list[str]) -> None:
     """model.init_from of the tiny and the 201M folder, building and the step apart: a markdown table."""
     data = _tokens(tmp, nproc)
     got = {}
     for name, shape in (("tiny", TINY), ("big", BIG)):
         make_folder(shape, tmp / f"hf-{name}")
-        got[name] = probe(tmp / f"probe-{name}", data, nproc, src, [f"model.init_from={tmp / f'hf-{name}'}"])
+        got[name] = probe(
+            tmp / f"probe-{name}", data, nproc, src, [f"model.init_from={tmp / f'hf-{name}'}", *more]
+        )
     model = sum(f.stat().st_size for f in (tmp / "hf-big").glob("*.safetensors"))
     print(f"| {nproc} processes, fsdp, model.init_from | tiny | 201M | added | added / model bytes |")
     print("|---|---|---|---|---|")
@@ -172,10 +174,11 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the numbers here too")
     parser.add_argument("--probe", action="store_true", help="model.init_from: building and the step apart")
+    parser.add_argument("--set", nargs="+", default=[], help="--probe: more overrides (dist.memory=lean)")
     args = parser.parse_args()
     if args.probe:
         with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
-            return probe_folder(args.nproc, args.src, Path(tmp))
+            return probe_folder(args.nproc, args.src, Path(tmp), args.set)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         got = measure(args.nproc, args.src, Path(tmp))
     model = got["bytes big"]  # the 201M model's float32 bytes (its folder's, headers aside: ~0.01%)

@@ -88,10 +88,10 @@ WIDTHS = {"model": 1024, "fixed": 64}
 PROBE = Path(__file__).resolve().parent / "peak_probe.py"
 
 
-def measure_peak(nproc: int, width: int, root: Path, text: Path, src: Path) -> dict:
+def measure_peak(nproc: int, width: int, root: Path, text: Path, src: Path, more: list[str]) -> dict:
     """One probe run (benchmarks/peak_probe.py) of `nproc` processes: each rank's peaks, the weights' fingerprint."""
     out = root / f"peak_{nproc}_{width}.json"
-    settings = [*PEAK_RUN, f"model.n_embd={width}", f"train.batch_size={GLOBAL_BATCH // nproc}"]
+    settings = [*PEAK_RUN, f"model.n_embd={width}", f"train.batch_size={GLOBAL_BATCH // nproc}", *more]
     settings += [f"data.root={text}", f"out_dir={root / 'run'}"]
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     cmd = [sys.executable, "-m", "ddpkit", "run", *launch, str(PROBE), str(out), *settings]
@@ -102,13 +102,13 @@ def measure_peak(nproc: int, width: int, root: Path, text: Path, src: Path) -> d
     return json.loads(out.read_text())
 
 
-def peak_rows(ranks: list[int], src: Path, text: Path, tmp: Path) -> list[dict]:
+def peak_rows(ranks: list[int], src: Path, text: Path, tmp: Path, more: list[str]) -> list[dict]:
     """Per rank count: the largest rank's peak after building and after the first step, at width 1024 and 64."""
     rows = []
     for n in ranks:
         row: dict = {"processes": n}
         for kind, width in WIDTHS.items():
-            got = measure_peak(n, width, tmp, text, src)
+            got = measure_peak(n, width, tmp, text, src, more)
             row[f"{kind}_built"] = max(r["built"] for r in got["ranks"])
             row[f"{kind}_stepped"] = max(r["stepped"] for r in got["ranks"])
             row[f"{kind}_stepped2"] = max(r["stepped2"] for r in got["ranks"])
@@ -142,12 +142,13 @@ def main() -> None:
     parser.add_argument("--peak", action="store_true", help="the peak-memory table of the 201M llama (fsdp)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--peak: process counts")
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="--peak: the ddpkit source to measure")
+    parser.add_argument("--set", nargs="+", default=[], help="--peak: more overrides (dist.memory=lean)")
     args = parser.parse_args()
     if args.peak:
         with tempfile.TemporaryDirectory() as tmp:
             text = Path(tmp) / "corpus.txt"
             text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(800)))
-            rows = peak_rows(args.ranks, args.src.resolve(), text, Path(tmp))
+            rows = peak_rows(args.ranks, args.src.resolve(), text, Path(tmp), args.set)
         print(peak_table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

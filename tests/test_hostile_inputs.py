@@ -528,6 +528,11 @@ def _plans():
         ({"seed": "0"}, "seed must be a whole number"),
         ({"roles": "train"}, "roles must be a list of names"),
         ({"strategy": None}, "strategy must be a name"),
+        ({"memory": "small"}, "memory must be 'fast' or 'lean'"),
+        (
+            {"memory": "lean"},
+            "prepare(memory='lean') shards each block's parts with FSDP2, which single does not",
+        ),
     ],
 )
 def test_prepare_checks_each_argument_before_anything_is_made(kwargs, fragment):

@@ -169,9 +169,13 @@ def test_a_save_staged_while_the_next_steps_run_equals_the_blocking_save_bit_for
         "checkpoint.format=sharded", "report.curves=false",
     ]  # fmt: skip
     train_here(*run, f"out_dir={tmp_path / 'blocking'}")
-    stage = HostCopies._stage
-    monkeypatch.setattr(HostCopies, "_stage", lambda self, sd: time.sleep(0.5) or stage(self, sd))
+    stage, staged = HostCopies._stage, []
+    monkeypatch.setattr(
+        HostCopies, "_stage", lambda self, sd: staged.append(1) or time.sleep(0.5) or stage(self, sd)
+    )
     train_here(*run, "checkpoint.async_save=true", f"out_dir={tmp_path / 'async'}")
+    # epoch 1's save in the background; the run's last one written as a blocking save (nothing left to overlap)
+    assert len(staged) == 1
     for epoch in ("epoch_0001.dcp", "epoch_0002.dcp"):
         ref, got = (
             _folder_tensors(tmp_path / mode / "checkpoints" / epoch, tmp_path / f"{mode}{epoch}.pt")

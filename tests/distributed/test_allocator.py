@@ -109,3 +109,31 @@ def test_the_allocator_is_left_alone_when_off_or_the_user_set_it(monkeypatch, en
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert allocator.user_chose() == why
+
+
+LEAN = """
+import json, sys
+from ddpkit.distributed import allocator
+print(json.dumps([allocator.tune_cpu_allocator(), allocator.lean_heap(), allocator.applied()]))
+"""
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, [32 << 20, 1 << 20, 1 << 20]),  # dist.memory=lean: the memory profile from the sharding on
+        ({channels.MALLOC_TUNE: "steady"}, [32 << 20, None, 32 << 20]),  # the user's word stands
+        ({channels.MALLOC_TUNE: "0"}, [None, None, None]),
+        ({"MALLOC_ARENA_MAX": "2"}, [None, None, None]),  # the user set glibc's heap themselves
+    ],
+)
+def test_lean_memory_takes_the_memory_heap_unless_the_user_chose_one(env, want):
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != channels.MALLOC_TUNE}
+    proc = subprocess.run(
+        [sys.executable, "-c", LEAN], env={**base, **env}, capture_output=True, text=True, check=True
+    )
+    assert json.loads(proc.stdout) == want

@@ -133,6 +133,34 @@ def test_llama_under_tensor_parallelism_with_checkpointing_equals_one_process(
 
 
 @pytest.mark.slow
+def test_llama_under_lean_fsdp_with_checkpointing_equals_one_process(llama_one, gpt_text, tmp_path, capsys):
+    # dist.memory=lean: each block's attention and MLP gathered as FSDP2 units of their own, no backward prefetch
+    gpt_train(
+        tmp_path / "lean", gpt_text, 2, *LLAMA[len(GPT_RUN) :], *STEPS, "dist.strategy=fsdp", "dist.memory=lean",
+        "model.activation_checkpointing=full",
+    )  # fmt: skip
+    _assert_close(_last_weights(tmp_path / "lean"), llama_one)
+    for bad, fragment in (
+        (
+            ["dist.strategy=ddp"],
+            "dist.memory=lean shards each block's parts with FSDP2, which dist.strategy=ddp",
+        ),
+        (["dist.strategy=fsdp", "dist.memory=small"], "dist.memory"),
+    ):
+        argv = [
+            "train",
+            f"out_dir={tmp_path / 'bad'}",
+            f"data.root={gpt_text}",
+            *LLAMA,
+            "dist.memory=lean",
+            *bad,
+        ]
+        proc = cli_in_process(capsys, *argv, "--nproc-per-node", "2")  # refused before any worker starts
+        assert_user_error(proc, fragment)
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_llama_under_sharded_data_parallel_x_tp2_x_pp2_on_8_processes_equals_one_process(
     llama_one, gpt_text, tmp_path, strategy

@@ -322,3 +322,42 @@ def test_ddpkit_train_layout_equals_one_process(
     for what, most in memory.items():  # rank 0's own tensors, measured at the first optimizer step
         field = f"{what}_bytes_per_rank"
         assert rows[0][field] <= most * want_rows[0][field], (field, rows[0][field], want_rows[0][field])
+
+
+def _lean_on_two(rank, world_size):
+    """prepare(strategy="fsdp", memory="lean") of the GPT, STEPS steps: its units, the heap's threshold after it,
+    the full weights; then a second model under memory="fast" for its units."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    import ddpkit
+    from ddpkit.distributed import allocator
+
+    def units(model) -> list[str]:
+        return sorted(
+            name for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model
+        )
+
+    before = allocator.applied()
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = ddpkit.prepare(model, opt, strategy="fsdp", memory="lean")
+    share = GLOBAL_BATCH // world_size
+    _train(model, opt, [d[rank * share : (rank + 1) * share] for d in _batches()])
+    fast = ddpkit.prepare(_gpt(), strategy="fsdp")
+    return {"units": units(model), "fast_units": units(fast), "heap": [before, allocator.applied()]} | {
+        "weights": _full(model)
+    }
+
+
+def test_lean_memory_shards_each_blocks_parts_and_equals_one_process(references):
+    """memory="lean" (dist.memory=lean): each block's attention and MLP a unit of FSDP2's own (a rank then holds one
+    part gathered, not a block and the next prefetched), the CPU heap's mmap threshold at 1 MiB from then on (fresh
+    ranks: the pooled ones keep their heap), and the same training as one process."""
+    from conftest import run_group
+
+    out = run_group(_lean_on_two, 2, timeout=240, fresh=True)[0]
+    assert out["units"] == [f"blocks.{i}.{part}" for i in range(2) for part in ("attn", "mlp")]
+    assert out["fast_units"] == ["blocks.0", "blocks.1"]
+    assert out["heap"] == [None, 1 << 20]  # ranks started by run_group set no profile before it
+    _assert_close(out["weights"], references["gpt"])

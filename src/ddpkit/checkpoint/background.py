@@ -13,7 +13,8 @@ stall time) right before the optimizer step. A thread of its own then waits for 
 puts the folder in place (state.pt, fsync, rename) and its copies (last.dcp, best.dcp) and prunes the old epoch
 folders, exactly as a blocking save does, so a checkpoint is "complete", the rename done, only after its last
 byte is durable, and a kill at any moment leaves the newest complete checkpoint as it was. The next save, the
-end of the run and a stop (a signal, preemption) wait for the one in flight; the wait is stall time too.
+end of the run and a stop (a signal, preemption) wait for the one in flight; the wait is stall time too. The
+run's last save is a blocking one (the Trainer's choice: no step is left to hide it behind).
 A run that fails for another reason does not wait (a peer may be gone): what was in flight writes on into its
 temporary folder, which the next run sweeps, and puts nothing in place once the run has let go of out_dir.
 """

@@ -245,6 +245,12 @@ class DistConfig(Section):
     offload: Literal["none", "cpu"] = opt(
         "none", "cpu: parameters, gradients and optimizer state kept in CPU memory (fsdp, zero2)"
     )
+    memory: Literal["fast", "lean"] = opt(
+        "fast",
+        "lean: the least memory per rank under fsdp, hsdp and zero2: each block's attention and MLP gathered "
+        "as units of their own, no backward prefetch, and in CPU processes every tensor above 1 MiB given back "
+        "on free (DDPKIT_MALLOC_TUNE=1 unless it is set); twice the collectives and more page faults a step",
+    )
     timeout_s: float = opt(
         600.0,
         "collective timeout in seconds (7 days at most): a stuck or failed worker ends the job within it",

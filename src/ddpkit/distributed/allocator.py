@@ -16,6 +16,8 @@ ddpkit sets the two thresholds, once per process, when the device is the CPU (`i
   in afresh (a llama under fsdp on 2 CPU processes, whose activations are 2-6 MiB each, ran at 0.67x).
 - `off` (DDPKIT_MALLOC_TUNE=0): glibc's dynamic rule, untouched.
 
+`dist.memory=lean` switches an unset DDPKIT_MALLOC_TUNE to `memory` when the model is sharded (lean_heap).
+
 Never when the user set their allocator's settings themselves (any `MALLOC_*` variable, glibc.malloc tunables, an
 LD_PRELOADed allocator), nor off glibc.
 """
@@ -31,7 +33,7 @@ from ddpkit.errors import UserError
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20  # the memory profile's; measured: benchmarks/RESULTS.md §11d
 # profile: (mmap threshold, trim threshold or None); steady is glibc's DEFAULT_MMAP_THRESHOLD_MAX and twice it
-PROFILES = {"steady": (32 << 20, 64 << 20), "memory": (MMAP_THRESHOLD_BYTES, None)}
+PROFILES = {"steady": (32 << 20, 64 << 20), "memory": (MMAP_THRESHOLD_BYTES, 128 << 10)}  # 128 KiB: glibc's
 TUNE_VALUES = {"": "steady", "steady": "steady", "1": "memory", "memory": "memory", "0": "off", "off": "off"}
 _APPLIED: list[int] = []  # the mmap threshold this process set, once
 
@@ -79,12 +81,32 @@ def tune_cpu_allocator() -> int | None:
         return None
     libc = _glibc()
     mmap, trim = PROFILES[profile()]
-    if libc is None or libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap)) != 1:
+    if libc is None or not _set(libc, mmap, trim):
         return None
-    if trim is not None:
-        libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))
     _APPLIED.append(mmap)
     return mmap
+
+
+def lean_heap() -> int | None:
+    """dist.memory=lean in a CPU process: the memory profile from now on, when DDPKIT_MALLOC_TUNE is unset and the
+    user set nothing of their own; the mmap threshold set, or None. glibc takes new thresholds at any time; they
+    rule the blocks allocated after them."""
+    if os.environ.get(channels.MALLOC_TUNE, "").strip() or user_chose() is not None:
+        return None
+    libc = _glibc()
+    mmap, trim = PROFILES["memory"]
+    if libc is None or not _set(libc, mmap, trim):
+        return None
+    _APPLIED[:] = [mmap]
+    return mmap
+
+
+def _set(libc, mmap: int, trim: int) -> bool:
+    """mallopt both thresholds; False when glibc refused the first."""
+    if libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap)) != 1:
+        return False
+    libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))
+    return True
 
 
 def applied() -> int | None:

@@ -154,6 +154,15 @@ def _check_strategy_with_experts(name: str, ep: int) -> None:
         )
 
 
+def _check_memory(memory: str, name: str) -> None:
+    """dist.memory=lean shards each block's parts: only a strategy that shards gradients with FSDP2 has units."""
+    if memory == "lean" and not get_strategy(name).shards_gradients:
+        raise UserError(
+            f"dist.memory=lean shards each block's parts with FSDP2, which dist.strategy={name} does not use",
+            f"use dist.strategy={names_with('shards_gradients')} with several processes, or dist.memory=fast",
+        )
+
+
 def check_config(
     cfg: Any, world_size: int, per_node: int | None = None, backend: str | None = None
 ) -> Layout:
@@ -168,6 +177,7 @@ def check_config(
     else:  # parallel/pipeline/plan.py checks the rest
         name = pipeline_strategy(d.strategy, layout)
     _check_strategy_with_experts(name, layout.ep)
+    _check_memory(d.memory, name)
     if get_strategy(name).hybrid:
         shard = shard_degree(d.dp_shard, layout.dp, layout.tp, per_node or world_size)
         check_ep(layout.ep, layout.dp, shard, f"{world_size} process(es)")
@@ -188,6 +198,7 @@ def build_strategy(
     *,
     mesh: Any = None,
     offload: str = "none",
+    memory: str = "fast",
     dp_shard: int | None = None,
     amp: str = "none",
     experts: Any = None,
@@ -197,6 +208,7 @@ def build_strategy(
 
     `mesh`: the ("pp", "dp", "tp") DeviceMesh of a split model; the strategy then runs over its "dp" dim.
     `offload`: dist.offload (cpu: FSDP2's CPU offload, fsdp and zero2 only).
+    `memory`: dist.memory (lean: each block's parts sharded as units of their own, fsdp, hsdp and zero2 only).
     `dp_shard`: hsdp's ranks per sharding group (None: the processes per node).
     `amp`: train.amp (bf16: FSDP2 gathers the parameters in bf16 and reduces the gradients in float32).
     `experts`: the ExpertMeshes of dist.ep > 1 (parallel/experts/meshes.py), which the routed experts are split
@@ -213,6 +225,7 @@ def build_strategy(
         return Strategy(ctx)  # one process without a group: the plain module computes the same numbers
     strategy = entry.cls(ctx, ddp_options, compression if entry.compression else None)
     strategy.mesh, strategy.offload, strategy.amp, strategy.experts = mesh, offload, amp, experts
+    strategy.memory = memory
     if dp_shard is not None:
         strategy.dp_shard = dp_shard
     return strategy

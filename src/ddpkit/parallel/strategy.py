@@ -95,6 +95,11 @@ class StrategyEntry:
                     f"strategy '{self.name}': {what} must be among {tuple(allowed)}, got {sorted(unknown)}"
                 )
 
+    @property
+    def shards_gradients(self) -> bool:
+        """FSDP2's units: each reduce-scatters its gradients (dist.memory=lean cuts the units finer)."""
+        return "gradients" in self.shards
+
     def describe(self) -> str:
         """`zero2 (what it does; also with dist.tp and dist.pp)`: the config reference's line of it."""
         keys = [
@@ -209,6 +214,7 @@ class Strategy:
     mesh = None  # the ("pp", "dp", "tp") DeviceMesh when the model is split (tensor / pipeline parallel)
     offload = "none"  # dist.offload: cpu keeps the shards in CPU memory (fsdp and zero2 honour it)
     amp = "none"  # train.amp: bf16 makes FSDP2's own mixed precision (fsdp, hsdp, zero2)
+    memory = "fast"  # dist.memory: lean shards each block's parts as units of their own (fsdp, hsdp, zero2)
     experts = (
         None  # dist.ep > 1: the ExpertMeshes the routed experts are split and reduced over (parallel/experts)
     )

@@ -28,7 +28,7 @@ from ddpkit.parallel.optimizer import rebuild_optimizer
 from ddpkit.parallel.pipeline.plan import stages_per_rank
 from ddpkit.parallel.pipeline.user_model import PipelineModel
 from ddpkit.parallel.plan import build_strategy
-from ddpkit.parallel.strategy import Strategy, get_strategy, picked, unwrap_module
+from ddpkit.parallel.strategy import Strategy, get_strategy, names_with, picked, unwrap_module
 from ddpkit.parallel.sync_bn import convert_gloo_sync_batchnorm
 from ddpkit.porting import hf_model
 from ddpkit.porting.meta import built, maker
@@ -164,6 +164,7 @@ def prepare(
     pp_schedule: str = "1f1b",
     pp_microbatches: int | None = None,
     split_batches: bool = False,
+    memory: str = "fast",
 ) -> Any:
     """Each object ready for this process, returned in the order given (one object: returned alone).
 
@@ -183,7 +184,7 @@ def prepare(
     pp > 1: the model cut into `pp` stages where each module of `pp_split` begins (a transformers model: its
     layers, by its own pipeline plan), a PipelineModel (model.step(x, y); see parallel/pipeline/user_model.py);
     `loss_fn(output, target)` runs on the last stage; loaders shard over the replicas (world_size / pp).
-    """
+    `memory="lean"` (fsdp, hsdp, zero2): dist.memory=lean, each block's parts sharded as units of their own."""
     _check_arguments(locals())
     objects = tuple(built(objects))  # a function of no argument: the model it builds on the meta device
     if pp != 1:
@@ -195,20 +196,27 @@ def prepare(
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     loader_roles = roles_for(objects, roles)
     layout, mesh = _layout(ctx, tp, tp_plan, bool(models))
-    chosen = build_strategy(strategy, ctx, ddp_options, mesh=mesh)
+    chosen = _lean_checked(build_strategy(strategy, ctx, ddp_options, mesh=mesh, memory=memory), memory)
     model = models[0] if models else None
     out = _prepared_model(model, optimizers, chosen, ctx, (sync_bn, seed), mesh, tp_plan)
     model_out = out.get(id(model), model)
     if model_out is not None:
         remember_model(model_out)
-    out.update(
-        _prepared_loaders(
-            objects, loader_roles, layout.coords(ctx.rank)["dp"], layout.dp, seed, model_out, split_batches
-        )
-    )
+    dp = layout.coords(ctx.rank)["dp"]
+    out.update(_prepared_loaders(objects, loader_roles, dp, layout.dp, seed, model_out, split_batches))
     _check_schedulers(objects, out, chosen)
     ready = [out.get(id(o), o) for o in objects]
     return ready[0] if len(ready) == 1 else ready
+
+
+def _lean_checked(chosen: Strategy, memory: str) -> Strategy:
+    """The strategy built for prepare(memory=...); memory="lean" needs one with FSDP2's units (UserError)."""
+    if memory == "lean" and not chosen.entry.shards_gradients:
+        raise UserError(
+            f"ddpkit.prepare(memory='lean') shards each block's parts with FSDP2, which {chosen.entry.name} does not",
+            f"use strategy {names_with('shards_gradients')} with several processes, or memory='fast'",
+        )
+    return chosen
 
 
 def _is_int(value: Any) -> bool:
@@ -242,6 +250,8 @@ def _check_arguments(given: dict[str, Any]) -> None:
     for name in ("strategy", "pp_schedule"):
         if not isinstance(given[name], str):
             refuse(name, "a name", f"{name}={'auto' if name == 'strategy' else '1f1b'!r}")
+    if given["memory"] not in ("fast", "lean"):
+        refuse("memory", "'fast' or 'lean'", "memory='lean'")
     for name in ("sync_bn", "split_batches"):
         if not isinstance(given[name], bool):
             refuse(name, "True or False", f"{name}=True")

@@ -271,7 +271,9 @@ class Trainer:
         if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards
             tensors, optim_rest = self.strategy.sharded_state(self.wrapped, self.optimizer)
             background, later = None, frozenset()
-            if self.saves.background:  # what only the optimizer step changes is staged until it (train_step)
+            # what only the optimizer step changes is staged until it (train_step); the run's last save is
+            # written here, as a blocking one: no step is left to hide it behind, and staging would add a copy
+            if self.saves.background and self._more_to_train():
                 background, later = self.saves, sharded.changed_by_step(tensors, self.optimizer)
             self.ckpt.save_sharded(tensors, {**rest, **optim_rest}, self.ctx.is_main, best, background, later)
         else:

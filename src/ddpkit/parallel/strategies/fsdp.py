@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from ddpkit.distributed.allocator import lean_heap
 from ddpkit.parallel.strategy import Strategy, StrategyEntry
 
 if TYPE_CHECKING:
@@ -72,10 +73,19 @@ class FSDPStrategy(Strategy):
             from ddpkit.parallel.experts.apply import shard_experts
 
             left = shard_experts(model, self.experts, self.shard_options())
-        for block in shard_units(model):  # one shard group per block, then the root
-            fully_shard(block, **self.shard_options(), **left)
+        lean = self.memory == "lean"
+        units = shard_units(model, parts=lean)
+        for unit in units:  # one shard group per block (lean: per part of a block), then the root
+            fully_shard(unit, **self.shard_options(), **left)
         root = model if root is None else root
         fully_shard(root, **self.shard_options(root=True), **left)
+        if lean:
+            for unit in units:
+                # FSDP2's public way to turn off its implicit backward prefetch: an explicit list naming the
+                # unit itself, which is gathered already when its backward starts, so nothing more is gathered
+                unit.set_modules_to_backward_prefetch([unit])
+            if self.ctx.device.type == "cpu":
+                lean_heap()
         return root
 
     def unwrap(self, wrapped):
@@ -98,14 +108,19 @@ class FSDPStrategy(Strategy):
             reduce_expert_grads(wrapped, self.experts)
 
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
+def shard_units(model: nn.Module, parts: bool = False) -> list[nn.Module]:
     """The modules that get a shard group of their own: the model's repeated blocks (repeated_blocks: a
     transformer's layers, never called as a whole), its other parts (embeddings, final norm, head) left to the
     root's group, as torch's FSDP2 examples draw them: as separate units those small parts cost a gather and a
     reduce-scatter each per step (fsdp at 0.865x hand-written FSDP2 on gloo, 0.964x without them:
     benchmarks/RESULTS.md §16). A model with no blocks shards each top-level child that holds trainable
     parameters. A unit holding a parameter that a module outside it holds too (a token embedding tied to the
-    head) is left to the root's group, which holds a shared parameter once for all the modules that use it."""
+    head) is left to the root's group, which holds a shared parameter once for all the modules that use it.
+
+    `parts` (dist.memory=lean): each block's children that hold a matrix (its attention, its MLP) are units of
+    their own instead of the block, its norms left to the root's group; a block with one such child stays whole.
+    A rank then holds one part gathered, with its unsharded gradients and their reduce-scatter buffer, instead of
+    a whole block and the next one prefetched (benchmarks/RESULTS.md §11e)."""
 
     def trainable(m: nn.Module) -> bool:
         return any(p.requires_grad for p in m.parameters())
@@ -123,7 +138,14 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
         inside = {id(m) for m in unit.modules()}
         return all(holders[id(p)] <= inside for p in unit.parameters())
 
-    return [m for m in units if alone(m)]
+    units = [m for m in units if alone(m)]
+    return [p for m in units for p in _parts(m)] if parts else units
+
+
+def _parts(block: nn.Module) -> list[nn.Module]:
+    """A block's children holding a matrix (attention, MLP, experts), or the block when there are fewer than two."""
+    kids = [c for c in block.children() if any(p.requires_grad and p.dim() >= 2 for p in c.parameters())]
+    return kids if len(kids) > 1 else [block]
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

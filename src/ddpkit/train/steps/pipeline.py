@@ -158,7 +158,7 @@ def build(
         make(stage)  # whole on each replica, before DDP broadcasts it
     if not replicated:  # FSDP2 over the dp dim of each (tensor-parallel) stage
         sharding = build_strategy(
-            name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp, experts=experts
+            name, ctx, mesh=mesh, dp_shard=d.dp_shard, amp=cfg.train.amp, experts=experts, memory=d.memory
         )
         step["autocast"] = sharding.step_autocast(step["autocast"])  # none where FSDP2 casts itself
 

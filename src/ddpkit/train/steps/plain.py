@@ -134,6 +134,7 @@ def build(
         Compression.from_config(cfg.dist),
         mesh=mesh,
         offload=cfg.dist.offload,
+        memory=cfg.dist.memory,
         dp_shard=layout.dp_shard,
         amp=cfg.train.amp,
         experts=experts,
