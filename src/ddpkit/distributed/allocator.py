@@ -32,7 +32,7 @@ from ddpkit.errors import UserError
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20  # the memory profile's; measured: benchmarks/RESULTS.md §11d
-# profile: (mmap threshold, trim threshold or None); steady is glibc's DEFAULT_MMAP_THRESHOLD_MAX and twice it
+# profile: (mmap threshold, trim threshold); steady is glibc's DEFAULT_MMAP_THRESHOLD_MAX and twice it
 PROFILES = {"steady": (32 << 20, 64 << 20), "memory": (MMAP_THRESHOLD_BYTES, 128 << 10)}  # 128 KiB: glibc's
 TUNE_VALUES = {"": "steady", "steady": "steady", "1": "memory", "memory": "memory", "0": "off", "off": "off"}
 _APPLIED: list[int] = []  # the mmap threshold this process set, once
@@ -79,12 +79,7 @@ def tune_cpu_allocator() -> int | None:
     process is not glibc's, the profile is off, the user set the allocator, or it was already set."""
     if _APPLIED or user_chose() is not None:
         return None
-    libc = _glibc()
-    mmap, trim = PROFILES[profile()]
-    if libc is None or not _set(libc, mmap, trim):
-        return None
-    _APPLIED.append(mmap)
-    return mmap
+    return _apply(profile())
 
 
 def lean_heap() -> int | None:
@@ -93,22 +88,20 @@ def lean_heap() -> int | None:
     rule the blocks allocated after them."""
     if os.environ.get(channels.MALLOC_TUNE, "").strip() or user_chose() is not None:
         return None
+    return _apply("memory")
+
+
+def _apply(name: str) -> int | None:
+    """mallopt the thresholds of profile `name`; the mmap threshold set, or None off glibc or when it refused."""
     libc = _glibc()
-    mmap, trim = PROFILES["memory"]
-    if libc is None or not _set(libc, mmap, trim):
+    mmap, trim = PROFILES[name]
+    if libc is None or libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap)) != 1:
         return None
+    libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))
     _APPLIED[:] = [mmap]
     return mmap
 
 
-def _set(libc, mmap: int, trim: int) -> bool:
-    """mallopt both thresholds; False when glibc refused the first."""
-    if libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap)) != 1:
-        return False
-    libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))
-    return True
-
-
 def applied() -> int | None:
-    """The mmap threshold tune_cpu_allocator set in this process, or None."""
+    """The mmap threshold ddpkit last set in this process (tune_cpu_allocator, lean_heap), or None."""
     return _APPLIED[0] if _APPLIED else None
